@@ -1,0 +1,173 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_AUTO: _ClassVar[Transport]
+    TRANSPORT_INLINE: _ClassVar[Transport]
+    TRANSPORT_SHM: _ClassVar[Transport]
+    TRANSPORT_CUDA_IPC: _ClassVar[Transport]
+TRANSPORT_AUTO: Transport
+TRANSPORT_INLINE: Transport
+TRANSPORT_SHM: Transport
+TRANSPORT_CUDA_IPC: Transport
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("version", "devices", "transports", "data_roots", "shm_probe", "decode_threads")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ROOTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_THREADS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    transports: _containers.RepeatedScalarFieldContainer[Transport]
+    data_roots: _containers.RepeatedScalarFieldContainer[str]
+    shm_probe: ShmProbe
+    decode_threads: int
+    def __init__(self, version: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., data_roots: _Optional[_Iterable[str]] = ..., shm_probe: _Optional[_Union[ShmProbe, _Mapping]] = ..., decode_threads: _Optional[int] = ...) -> None: ...
+
+class ShmProbe(_message.Message):
+    __slots__ = ("name", "token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    token: bytes
+    def __init__(self, name: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class ClientMessage(_message.Message):
+    __slots__ = ("open", "attached", "release")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    open: StreamRequest
+    attached: Attached
+    release: Release
+    def __init__(self, open: _Optional[_Union[StreamRequest, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch")
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    LIST_FILE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DROP_LAST_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    START_BATCH_FIELD_NUMBER: _ClassVar[int]
+    files: FileList
+    list_file: str
+    prefix: str
+    labels: _containers.RepeatedScalarFieldContainer[int]
+    batch_size: int
+    output: OutputSpec
+    drop_last: bool
+    shuffle: bool
+    seed: int
+    epoch: int
+    rank: int
+    world_size: int
+    transport: Transport
+    prefetch: int
+    start_batch: int
+    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ...) -> None: ...
+
+class FileList(_message.Message):
+    __slots__ = ("paths",)
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class OutputSpec(_message.Message):
+    __slots__ = ("height", "width")
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    height: int
+    width: int
+    def __init__(self, height: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
+
+class Attached(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("seqs",)
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    seqs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seqs: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ServerMessage(_message.Message):
+    __slots__ = ("header", "batch")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    header: StreamHeader
+    batch: Batch
+    def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+
+class StreamHeader(_message.Message):
+    __slots__ = ("transport", "shm_name", "num_slots", "slot_bytes", "num_samples", "num_batches")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    transport: Transport
+    shm_name: str
+    num_slots: int
+    slot_bytes: int
+    num_samples: int
+    num_batches: int
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., shm_name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_batches: _Optional[int] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class SampleFailure(_message.Message):
+    __slots__ = ("index", "reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    reason: str
+    def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("seq", "slot", "tensors", "data", "failures")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    slot: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    data: bytes
+    failures: _containers.RepeatedCompositeFieldContainer[SampleFailure]
+    def __init__(self, seq: _Optional[int] = ..., slot: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ..., failures: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ...) -> None: ...

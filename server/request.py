@@ -1,0 +1,153 @@
+"""Turn a StreamRequest into a StreamPlan, or refuse it with a status a person can act on.
+
+Every check names the request field at fault. Nothing here decodes or reads
+sample files (a missing or corrupt sample fails only that sample, later); only
+the list file, when one is named, is read here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from gpufeed.v1 import feed_pb2
+
+from .paths import DataRoots, OutsideDataRoots
+from .ring import BatchLayout
+from .source import shard_order, split_batches
+
+__all__ = ["Limits", "RequestError", "StreamPlan", "plan_stream"]
+
+_MAX_SIDE = 8192
+
+
+class RequestError(Exception):
+    """A refused request: the gRPC status code and the message to send."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Limits:
+    default_prefetch: int = 4
+    max_prefetch: int = 16
+    max_batch_bytes: int = 1 << 30
+    max_samples: int = 10_000_000
+
+
+@dataclass
+class StreamPlan:
+    """Everything a stream needs, checked: located paths, labels, batches, output."""
+
+    paths: list[str]
+    labels: np.ndarray | None
+    batches: list[np.ndarray]
+    start_batch: int
+    layout: BatchLayout
+    height: int
+    width: int
+    transport: int
+    prefetch: int
+
+    @property
+    def num_slots(self) -> int:
+        """Slots in the stream's ring: ``prefetch`` ahead of the batch the trainer holds."""
+        return self.prefetch + 1
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(b) for b in self.batches[self.start_batch:])
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
+                transports: tuple[int, ...]) -> StreamPlan:
+    names = _sample_names(req, roots)
+    if not names:
+        raise _invalid("samples: the list is empty")
+    if len(names) > limits.max_samples:
+        raise _invalid(f"samples: {len(names)} samples is over the limit of {limits.max_samples}")
+    paths = _locate_all(names, req.prefix, roots)
+
+    labels = None
+    if req.labels:
+        if len(req.labels) != len(names):
+            raise _invalid(f"labels: {len(req.labels)} labels for {len(names)} samples")
+        labels = np.asarray(req.labels, dtype=np.int64)
+
+    if req.batch_size <= 0:
+        raise _invalid(f"batch_size must be positive, got {req.batch_size}")
+    height, width = req.output.height, req.output.width
+    if not (0 < height <= _MAX_SIDE and 0 < width <= _MAX_SIDE):
+        raise _invalid(f"output: size must be within 1..{_MAX_SIDE} on each side, "
+                       f"got ({height}, {width})")
+    world_size = req.world_size or 1
+    if world_size < 0:
+        raise _invalid(f"world_size must be positive, got {world_size}")
+    if not 0 <= req.rank < world_size:
+        raise _invalid(f"rank must be in [0, world_size={world_size}), got {req.rank}")
+
+    prefetch = req.prefetch or limits.default_prefetch
+    if not 0 < prefetch <= limits.max_prefetch:
+        raise _invalid(f"prefetch must be in 1..{limits.max_prefetch} (the server's "
+                       f"--max-prefetch), got {prefetch}")
+    layout = BatchLayout(req.batch_size, height, width, with_labels=labels is not None)
+    if layout.slot_bytes > limits.max_batch_bytes:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"batch_size x output: a batch takes {layout.slot_bytes} bytes, over "
+                           f"the server's --max-batch-bytes of {limits.max_batch_bytes}")
+
+    transport = req.transport
+    if transport == feed_pb2.TRANSPORT_AUTO:
+        transport = feed_pb2.TRANSPORT_INLINE  # a client that did not probe /dev/shm
+    if transport not in transports:
+        name = feed_pb2.Transport.Name(transport) if transport in feed_pb2.Transport.values() \
+            else str(transport)
+        offered = ", ".join(feed_pb2.Transport.Name(t) for t in transports)
+        raise _invalid(f"transport: {name} is not offered by this server (offered: {offered})")
+
+    order = shard_order(len(names), rank=req.rank, world_size=world_size,
+                        shuffle=req.shuffle, seed=req.seed, epoch=req.epoch)
+    batches = split_batches(order, req.batch_size, req.drop_last)
+    if not 0 <= req.start_batch <= len(batches):
+        raise _invalid(f"start_batch must be in 0..{len(batches)} (batches in this stream), "
+                       f"got {req.start_batch}")
+    return StreamPlan(paths=paths, labels=labels, batches=batches, start_batch=req.start_batch,
+                      layout=layout, height=height, width=width, transport=transport,
+                      prefetch=prefetch)
+
+
+def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots) -> list[str]:
+    kind = req.WhichOneof("samples")
+    if kind == "files":
+        return list(req.files.paths)
+    if kind != "list_file":
+        raise _invalid("samples: give either files or list_file")
+    try:
+        path = roots.locate(req.list_file)
+        text = roots.read(path).decode("utf-8")
+    except OutsideDataRoots as e:
+        raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"list_file: {e}") from None
+    except (FileNotFoundError, IsADirectoryError):
+        raise RequestError(grpc.StatusCode.NOT_FOUND,
+                           f"list_file: {req.list_file!r} not found under the data roots") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _invalid(f"list_file: cannot read {req.list_file!r}: {e}") from None
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def _locate_all(names: list[str], prefix: str, roots: DataRoots) -> list[str]:
+    paths = []
+    for i, name in enumerate(names):
+        try:
+            paths.append(roots.locate(prefix + name))
+        except OutsideDataRoots as e:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"samples[{i}]: {e}") from None
+    return paths

@@ -1,0 +1,91 @@
+"""The slot ring behind every transport, and the layout of a batch in a slot.
+
+A stream owns ``num_slots`` fixed-size slots in one buffer: server heap for the
+inline transport, one POSIX shared-memory segment for shm. A slot moves
+free -> leased (filling, then published) -> free: it is leased to batch ``seq``
+when the batch starts decoding and comes back only when the client releases
+that seq. So the server never writes a slot the trainer can still read, and
+never holds more than ``num_slots`` batches per stream: the slots are the
+stream's credits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["BatchLayout", "SlotRing", "TensorPlace"]
+
+_ALIGN = 4096
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class TensorPlace:
+    """One array of a batch: its name, dtype, per-sample shape and slot offset."""
+
+    name: str
+    dtype: np.dtype
+    sample_shape: tuple[int, ...]
+    offset: int
+
+
+class BatchLayout:
+    """Where each array of a full batch lives inside a slot (page-aligned)."""
+
+    def __init__(self, batch_size: int, height: int, width: int, with_labels: bool):
+        arrays = [("image", np.dtype(np.uint8), (3, height, width)),
+                  ("index", np.dtype(np.int64), ())]
+        if with_labels:
+            arrays.append(("label", np.dtype(np.int64), ()))
+        self.batch_size = batch_size
+        self.tensors: list[TensorPlace] = []
+        offset = 0
+        for name, dtype, shape in arrays:
+            self.tensors.append(TensorPlace(name, dtype, shape, offset))
+            offset += _align(batch_size * dtype.itemsize * int(np.prod(shape)))
+        self.slot_bytes = offset
+
+    def views(self, slot: np.ndarray) -> dict[str, np.ndarray]:
+        """Full-batch arrays over one slot's bytes, by name."""
+        out = {}
+        for t in self.tensors:
+            count = self.batch_size * int(np.prod(t.sample_shape))
+            flat = slot[t.offset:t.offset + count * t.dtype.itemsize].view(t.dtype)
+            out[t.name] = flat.reshape((self.batch_size, *t.sample_shape))
+        return out
+
+
+class SlotRing:
+    """Leases of fixed-size slots over ``buffer``, keyed by batch seq. Not thread-safe."""
+
+    def __init__(self, buffer, num_slots: int, slot_bytes: int):
+        self._memory = np.frombuffer(buffer, np.uint8, count=num_slots * slot_bytes)
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self._free = deque(range(num_slots))
+        self._leased: dict[int, int] = {}
+
+    def lease(self, seq: int) -> int | None:
+        """A free slot, now leased to batch ``seq``; None when every slot is leased."""
+        if not self._free:
+            return None
+        slot = self._free.popleft()
+        self._leased[seq] = slot
+        return slot
+
+    def release(self, seq: int) -> None:
+        """Return batch ``seq``'s slot. Raises KeyError for a seq that holds none."""
+        self._free.append(self._leased.pop(seq))
+
+    def leased(self) -> int:
+        return len(self._leased)
+
+    def slot(self, index: int) -> np.ndarray:
+        start = index * self.slot_bytes
+        return self._memory[start:start + self.slot_bytes]

@@ -1,0 +1,151 @@
+"""The gRPC servicer: Info, and Stream from request to last batch.
+
+A Stream call runs on a gRPC worker thread, which yields the header and then
+each published batch. A second thread per stream reads the client's later
+messages (attached, release). Whatever ends the call (last batch, client gone,
+bad message, server stopping), ``finally`` closes the stream: decode work is
+cancelled and its shared-memory segment, if any, is removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+import numpy as np
+
+import gpufeed
+from gpufeed.v1 import feed_pb2, feed_pb2_grpc
+
+from .paths import DataRoots
+from .pool import DecodePool
+from .request import Limits, RequestError, StreamPlan, plan_stream
+from .shm import ShmNamespace
+from .stream import Batch, Stream, StreamCancelled
+
+__all__ = ["FeedServicer"]
+
+_log = logging.getLogger(__name__)
+# Inline arrays start at multiples of this, so every dtype can be viewed in place.
+_INLINE_ALIGN = 64
+
+
+class FeedServicer(feed_pb2_grpc.FeedServicer):
+    def __init__(self, roots: DataRoots, pool: DecodePool, shm: ShmNamespace,
+                 limits: Limits, max_streams: int):
+        self._roots = roots
+        self._pool = pool
+        self._shm = shm
+        self._limits = limits
+        self._max_streams = max_streams
+        self._open_streams = 0
+        self._lock = threading.Lock()
+        self.transports = (feed_pb2.TRANSPORT_INLINE, feed_pb2.TRANSPORT_SHM)
+
+    def Info(self, request, context):
+        return feed_pb2.InfoResponse(
+            version=gpufeed.__version__,
+            devices=["cpu"],
+            transports=self.transports,
+            data_roots=self._roots.roots,
+            shm_probe=feed_pb2.ShmProbe(name=self._shm.probe.name, token=self._shm.probe_token),
+            decode_threads=self._pool.threads,
+        )
+
+    def Stream(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "open":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "the first message of a stream must be `open` with the request")
+        try:
+            plan = plan_stream(first.open, self._roots, self._limits, self.transports)
+        except RequestError as e:
+            context.abort(e.code, str(e))
+        if not self._enter():
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the server already serves {self._max_streams} streams "
+                          f"(--max-streams); retry later")
+        try:
+            yield from self._serve(plan, request_iterator, context)
+        finally:
+            with self._lock:
+                self._open_streams -= 1
+
+    def _enter(self) -> bool:
+        with self._lock:
+            if self._open_streams >= self._max_streams:
+                return False
+            self._open_streams += 1
+            return True
+
+    def _serve(self, plan: StreamPlan, request_iterator, context):
+        slots_bytes = plan.num_slots * plan.layout.slot_bytes
+        segment = self._shm.create(slots_bytes) if plan.transport == feed_pb2.TRANSPORT_SHM else None
+        buffer = segment.buffer if segment else bytearray(slots_bytes)
+        stream = Stream(plan, self._roots, self._pool, buffer)
+        context.add_callback(stream.cancel)
+        errors: list[str] = []
+        reader = threading.Thread(target=_read_client, name="gpufeed-client-reader",
+                                  args=(request_iterator, stream, segment, errors), daemon=True)
+        try:
+            stream.start()
+            reader.start()
+            yield feed_pb2.ServerMessage(header=feed_pb2.StreamHeader(
+                transport=plan.transport,
+                shm_name=segment.name if segment else "",
+                num_slots=plan.num_slots,
+                slot_bytes=plan.layout.slot_bytes,
+                num_samples=plan.num_samples,
+                num_batches=len(plan.batches) - plan.start_batch,
+            ))
+            for batch in stream.published():
+                yield feed_pb2.ServerMessage(batch=_batch_message(batch, plan))
+        except StreamCancelled:
+            if errors:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, errors[0])
+        finally:
+            stream.close()
+            if segment is not None:
+                segment.close()
+
+
+def _read_client(request_iterator, stream: Stream, segment, errors: list[str]) -> None:
+    """Apply the client's messages after `open` until it half-closes or goes away."""
+    try:
+        for message in request_iterator:
+            kind = message.WhichOneof("kind")
+            if kind == "release":
+                try:
+                    stream.release(message.release.seqs)
+                except KeyError as e:
+                    errors.append(f"release: batch {e.args[0]} holds no slot of this stream")
+                    stream.cancel()
+                    return
+            elif kind == "attached" and segment is not None:
+                segment.unlink()
+    except grpc.RpcError:
+        pass  # the call ended; the handler cleans up
+    except Exception:
+        _log.exception("client reader failed")
+        stream.cancel()
+
+
+def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.Batch:
+    message = feed_pb2.Batch(seq=batch.seq, slot=batch.slot)
+    for index, reason in batch.failures:
+        message.failures.add(index=index, reason=reason)
+    inline = plan.transport == feed_pb2.TRANSPORT_INLINE
+    chunks, offset = [], 0
+    for place in plan.layout.tensors:
+        array = batch.arrays[place.name][:batch.rows]
+        message.tensors.add(name=place.name, dtype=place.dtype.name, shape=array.shape,
+                            offset=offset if inline else place.offset)
+        if inline:
+            chunks.append(memoryview(np.ascontiguousarray(array)).cast("B"))
+            padding = -array.nbytes % _INLINE_ALIGN
+            chunks.append(bytes(padding))
+            offset += array.nbytes + padding
+    if inline:
+        message.data = b"".join(chunks)
+    return message

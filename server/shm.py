@@ -1,0 +1,128 @@
+"""POSIX shared-memory segments the server creates, and their clean-up.
+
+Every segment is a file in /dev/shm named ``gpufeed-<server id>-<suffix>``,
+created with mode 0600 (only the server's user can map it); the server id and
+stream suffixes are random, so names cannot be guessed. Each running server
+holds an ``flock`` on its probe segment (``gpufeed-<server id>-probe``) for its
+whole life. A server that starts removes the segments of every server id whose
+probe nobody holds any more: what a killed server left behind. This works
+across containers that share /dev/shm but not a pid namespace.
+
+Normally nothing is left at all: the server unlinks a stream's segment as soon
+as the client says it has mapped it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import re
+import secrets
+
+__all__ = ["SHM_DIR", "SharedSegment", "ShmNamespace"]
+
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^gpufeed-([0-9a-f]{16})-")
+_log = logging.getLogger(__name__)
+
+
+class SharedSegment:
+    """A new, mapped segment of ``size`` bytes. ``unlink`` removes the name only."""
+
+    def __init__(self, name: str, size: int):
+        self.name = name
+        self.size = size
+        self._path = os.path.join(SHM_DIR, name)
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(self._fd, size)
+            self.buffer = mmap.mmap(self._fd, size)
+        except BaseException:
+            os.close(self._fd)
+            os.unlink(self._path)
+            raise
+        self._linked = True
+
+    def unlink(self) -> None:
+        """Remove the name from /dev/shm; mappings stay valid until closed."""
+        if self._linked:
+            self._linked = False
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Unlink and unmap. Safe to call twice."""
+        self.unlink()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        try:
+            self.buffer.close()
+        except BufferError:
+            # A view still exports the mapping; it is unmapped when that view
+            # goes. The name is already gone, so nothing is left in /dev/shm.
+            pass
+
+
+class ShmNamespace:
+    """This server's segment names, its probe, and the removal of stale ones."""
+
+    def __init__(self) -> None:
+        self.server_id = secrets.token_hex(8)
+        removed = _remove_stale()
+        if removed:
+            _log.info("removed %d shared-memory segments left by dead servers", removed)
+        self.probe_token = secrets.token_bytes(16)
+        self.probe = SharedSegment(f"gpufeed-{self.server_id}-probe", len(self.probe_token))
+        self.probe.buffer[:] = self.probe_token
+        fcntl.flock(self.probe._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def create(self, size: int) -> SharedSegment:
+        return SharedSegment(f"gpufeed-{self.server_id}-{secrets.token_hex(8)}", size)
+
+    def close(self) -> None:
+        self.probe.close()
+
+
+def _remove_stale() -> int:
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return 0
+    by_server: dict[str, list[str]] = {}
+    for name in names:
+        match = _NAME.match(name)
+        if match:
+            by_server.setdefault(match.group(1), []).append(name)
+    removed = 0
+    for server_id, server_names in by_server.items():
+        if _held(os.path.join(SHM_DIR, f"gpufeed-{server_id}-probe")):
+            continue
+        for name in server_names:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+def _held(probe_path: str) -> bool:
+    """Whether a live server holds the lock on this probe."""
+    try:
+        fd = os.open(probe_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        return True  # another user's server: not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

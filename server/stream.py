@@ -1,0 +1,148 @@
+"""One open stream: decode its batches into ring slots and publish them in order.
+
+Batches start in order, each as soon as a slot is free (at open, then on every
+release); their rows go to the shared decode pool and may finish in any order.
+``published()`` hands batches out strictly by seq, so a batch's content never
+depends on timing: the reorder buffer is the ring itself.
+
+Threads: the gRPC handler iterates ``published()``; the client-reader thread
+calls ``release()``; decode threads call ``decode_row()``. One condition
+variable guards the stream's state.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from .decode import DecodeError, ImageDecoder
+from .paths import DataRoots
+from .pool import DecodePool
+from .request import StreamPlan
+from .ring import SlotRing
+
+__all__ = ["Batch", "Stream", "StreamCancelled"]
+
+
+class StreamCancelled(Exception):
+    """The stream ended before its last batch (client gone, server stopping)."""
+
+
+class Batch:
+    """A batch being filled in one slot; ``rows`` is its final sample count."""
+
+    def __init__(self, stream: Stream, seq: int, slot: int, indices: np.ndarray):
+        self.seq = seq
+        self.slot = slot
+        self.indices = indices
+        self.arrays = stream.plan.layout.views(stream.ring.slot(slot))
+        self.failures: list[tuple[int, str]] = []
+        self.rows = len(indices)
+        self._stream = stream
+        self._pending = len(indices)
+        self.done = False
+
+    def decode_row(self, row: int, decoder: ImageDecoder) -> None:
+        """Decode sample ``indices[row]`` into row ``row`` (run by a decode thread)."""
+        stream = self._stream
+        failure = None
+        if not stream.cancelled:
+            index = int(self.indices[row])
+            try:
+                data = stream.roots.read(stream.plan.paths[index])
+                decoder.decode_into(data, self.arrays["image"][row])
+            except FileNotFoundError:
+                failure = "file not found"
+            except PermissionError as e:
+                failure = f"permission denied: {e}"
+            except OSError as e:
+                failure = f"read error: {os.strerror(e.errno) if e.errno else e}"
+            except DecodeError as e:
+                failure = str(e)
+        with stream.cond:
+            if failure is not None:
+                self.failures.append((row, failure))
+            self._pending -= 1
+            if self._pending == 0:
+                self._finish()
+                stream.cond.notify_all()
+
+    def _finish(self) -> None:
+        """Fill index/label and close the gaps failed rows left (called once, locked)."""
+        ok = np.ones(len(self.indices), dtype=bool)
+        for row, _ in self.failures:
+            ok[row] = False
+        self.failures = sorted((int(self.indices[row]), why) for row, why in self.failures)
+        self.rows = int(ok.sum())
+        image = self.arrays["image"]
+        if self.rows < len(self.indices):
+            image[:self.rows] = image[:len(self.indices)][ok]
+        kept = self.indices[ok]
+        self.arrays["index"][:self.rows] = kept
+        labels = self._stream.plan.labels
+        if labels is not None:
+            self.arrays["label"][:self.rows] = labels[kept]
+        self.done = True
+
+
+class Stream:
+    def __init__(self, plan: StreamPlan, roots: DataRoots, pool: DecodePool, buffer):
+        self.plan = plan
+        self.roots = roots
+        self.ring = SlotRing(buffer, plan.num_slots, plan.layout.slot_bytes)
+        self.cond = threading.Condition()
+        self.cancelled = False
+        self._pool = pool
+        self._batches: dict[int, Batch] = {}
+        self._next_seq = plan.start_batch
+
+    def start(self) -> None:
+        with self.cond:
+            self._start_ready()
+
+    def release(self, seqs) -> None:
+        """The client no longer reads these batches: their slots take the next ones.
+
+        Raises KeyError for a seq that holds no slot (a confused client).
+        """
+        with self.cond:
+            for seq in seqs:
+                self.ring.release(seq)
+                self._batches.pop(seq, None)
+            self._start_ready()
+
+    def cancel(self) -> None:
+        with self.cond:
+            self.cancelled = True
+            self.cond.notify_all()
+
+    def published(self) -> Iterator[Batch]:
+        """Finished batches by seq. Raises StreamCancelled if cancelled first."""
+        for seq in range(self.plan.start_batch, len(self.plan.batches)):
+            with self.cond:
+                self.cond.wait_for(lambda: self.cancelled or
+                                   (seq in self._batches and self._batches[seq].done))
+                if self.cancelled:
+                    raise StreamCancelled()
+                batch = self._batches[seq]
+            yield batch
+
+    def close(self) -> None:
+        """Cancel, then wait until no decode thread still writes into the ring."""
+        self.cancel()
+        with self.cond:
+            self.cond.wait_for(lambda: all(b.done for b in self._batches.values()))
+
+    def _start_ready(self) -> None:
+        while not self.cancelled and self._next_seq < len(self.plan.batches):
+            slot = self.ring.lease(self._next_seq)
+            if slot is None:
+                return
+            indices = self.plan.batches[self._next_seq]
+            batch = Batch(self, self._next_seq, slot, indices)
+            self._batches[self._next_seq] = batch
+            self._next_seq += 1
+            self._pool.submit(batch, range(len(indices)))
