@@ -1,0 +1,72 @@
+"""Run ``gpufeed-server`` as a child process: for the demo, the benchmarks and the tests.
+
+The child listens on a free loopback port (``--listen 127.0.0.1:0``) and logs
+the address it got in its ready line, which ``ServerProcess`` waits for, so
+there is no port race and no sleeping.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+__all__ = ["ServerProcess"]
+
+_READY = re.compile(r"gpufeed-server ready on (\S+)")
+
+
+class ServerProcess:
+    """``with ServerProcess(["--data-root", d]) as server: FeedClient(server.address)``."""
+
+    def __init__(self, args: list[str], *, timeout: float = 60.0, env: dict | None = None):
+        self.args = ["--listen", "127.0.0.1:0", *args]
+        self.timeout = timeout
+        self.env = env
+        self.log: list[str] = []
+        self.address = ""
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpufeed.server", *self.args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **(self.env or {})})
+        ready = threading.Event()
+        threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
+        if not ready.wait(self.timeout) or not self.address:
+            self.kill()
+            raise RuntimeError("gpufeed-server did not become ready:\n" + "".join(self.log))
+        return self
+
+    def _drain(self, ready: threading.Event) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+            match = _READY.search(line)
+            if match and not self.address:
+                self.address = match.group(1)
+                ready.set()
+        ready.set()  # the process ended
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop()
+        except subprocess.TimeoutExpired:
+            self.kill()
