@@ -47,7 +47,7 @@ def encode_jpeg(rgb: np.ndarray, qscale: int = 3) -> bytes:
     return b"".join(bytes(p) for p in [*codec.encode(frame), *codec.encode(None)])
 
 
-def make_dataset(directory: Path, count: int, seed: int = 0) -> Path:
+def make_dataset(directory: Path, count: int, seed: int = 0, progress: bool = False) -> Path:
     """``count`` JPEGs of 320..640 x 240..480 in ``directory`` and a list file; reused if present."""
     list_file = directory / _LIST_FILE
     if list_file.exists() and len(list_file.read_text().split()) == count:
@@ -60,6 +60,8 @@ def make_dataset(directory: Path, count: int, seed: int = 0) -> Path:
         name = f"img{i:05d}.jpg"
         (directory / name).write_bytes(encode_jpeg(synthetic_photo(rng, height, width)))
         names.append(name)
+        if progress and (i + 1) % 250 == 0:
+            print(f"  {i + 1}/{count} images written", flush=True)
     list_file.write_text("\n".join(names) + "\n")
     return list_file
 
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"data set: {args.images} JPEGs in {args.data_dir}", flush=True)
     started = time.perf_counter()
-    list_file = make_dataset(args.data_dir, args.images)
+    list_file = make_dataset(args.data_dir, args.images, progress=True)
     print(f"  ready in {time.perf_counter() - started:.1f} s", flush=True)
     with ServerProcess(["--data-root", str(args.data_dir)]) as server, \
             FeedClient(server.address) as feed:

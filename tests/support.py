@@ -1,0 +1,32 @@
+"""Helpers the tests share: a reference decode, PSNR, and what is in /dev/shm."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+
+# Pixels within this PSNR of Pillow's decode + bilinear resize count as equal: the
+# two differ in chroma upsampling, YUV->RGB rounding and the scaler's filter taps.
+MIN_PSNR_DB = 30.0
+
+
+def reference_decode(path: Path, height: int, width: int) -> np.ndarray:
+    """Pillow's decode, RGB, bilinear resize to (height, width), as uint8 [3, H, W]."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(path.read_bytes())) as im:
+        rgb = im.convert("RGB").resize((width, height), Image.BILINEAR)
+    return np.asarray(rgb).transpose(2, 0, 1)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+
+
+def shm_entries() -> set[str]:
+    """gpufeed's stream segments in /dev/shm (not the servers' probes)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("gpufeed-") and not n.endswith("-probe")}

@@ -1,0 +1,123 @@
+"""Processes come and go: nothing leaks, the server keeps serving, signals stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from gpufeed.client import FeedClient
+from gpufeed.server.process import ServerProcess
+from support import shm_entries
+
+# A trainer that opens a shm stream with raw gRPC, prints the segment name and
+# then stops reading without ever attaching or releasing: the worst client.
+_SILENT_CLIENT = textwrap.dedent("""
+    import sys, time, grpc
+    from gpufeed.v1 import feed_pb2, feed_pb2_grpc
+    request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=sys.argv[2:]), batch_size=2,
+                                     output=feed_pb2.OutputSpec(height=32, width=32),
+                                     transport=feed_pb2.TRANSPORT_SHM)
+    def messages():
+        yield feed_pb2.ClientMessage(open=request)
+        time.sleep(3600)
+    call = feed_pb2_grpc.FeedStub(grpc.insecure_channel(sys.argv[1])).Stream(messages())
+    print(next(call).header.shm_name, flush=True)
+    time.sleep(3600)
+""")
+
+# A trainer using the client library that prints each batch and holds it forever.
+_LIBRARY_CLIENT = textwrap.dedent("""
+    import sys, time
+    from gpufeed.client import FeedClient
+    loader = FeedClient(sys.argv[1]).loader(files=sys.argv[2:], batch_size=2, size=(32, 32),
+                                            transport="shm")
+    for batch in loader:
+        print(batch["index"].tolist(), flush=True)
+        time.sleep(3600)
+""")
+
+
+def _wait_until(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def _start_client(script: str, address: str, files: list[str]) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", script, address, *files],
+                            stdout=subprocess.PIPE, text=True)
+    first_line = proc.stdout.readline().strip()
+    assert first_line, "the client process printed nothing"
+    return proc, first_line
+
+
+def _serves(address: str, files: list[str]) -> list[int]:
+    with FeedClient(address) as feed:
+        return [i for b in feed.loader(files=files, batch_size=4, size=(16, 16)) for i in
+                b["index"].tolist()]
+
+
+@pytest.mark.parametrize("script", [_SILENT_CLIENT, _LIBRARY_CLIENT], ids=["silent", "library"])
+def test_killed_client_leaves_nothing_and_server_serves_on(server, image_names, script):
+    before = shm_entries()
+    proc, line = _start_client(script, server.address, image_names[:40])
+    if script is _SILENT_CLIENT:
+        assert line in shm_entries()  # not attached yet: the server still holds the name
+    proc.kill()
+    proc.wait()
+    assert _wait_until(lambda: shm_entries() <= before), shm_entries() - before
+    assert _serves(server.address, image_names[:8]) == list(range(8))
+
+
+def test_sigterm_stops_the_server_cleanly(data_dir):
+    server = ServerProcess(["--data-root", str(data_dir)]).start()
+    probes_before = {n for n in os.listdir("/dev/shm") if n.endswith("-probe")}
+    assert _serves(server.address, ["img0000.jpg"]) == [0]
+    assert server.stop() == 0
+    probes_after = {n for n in os.listdir("/dev/shm") if n.endswith("-probe")}
+    assert len(probes_before - probes_after) == 1  # its own probe is gone
+
+
+def test_next_server_removes_what_a_killed_one_left(data_dir, image_names):
+    victim = ServerProcess(["--data-root", str(data_dir)]).start()
+    proc, segment = _start_client(_SILENT_CLIENT, victim.address, image_names[:8])
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait()
+    proc.kill()
+    proc.wait()
+    assert segment in shm_entries()  # SIGKILL left it behind
+    with ServerProcess(["--data-root", str(data_dir)]) as successor:
+        assert segment not in shm_entries()
+        assert _serves(successor.address, ["img0000.jpg"]) == [0]
+
+
+def test_health_and_reflection_are_served(server):
+    with grpc.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "gpufeed.v1.Feed"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        (response,) = list(reflect.ServerReflectionInfo(iter([request]), timeout=5))
+        names = {s.name for s in response.list_services_response.service}
+    assert "gpufeed.v1.Feed" in names and "grpc.health.v1.Health" in names
+
+
+def test_info_describes_the_server(feed, data_dir):
+    info = feed.info()
+    assert info.data_roots == [str(data_dir.resolve())]
+    assert info.decode_threads == 2
+    assert info.shm_probe.name in os.listdir("/dev/shm")

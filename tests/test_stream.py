@@ -1,0 +1,174 @@
+"""End to end: a real server subprocess, the client library, both transports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from support import MIN_PSNR_DB, psnr, reference_decode, shm_entries
+
+TRANSPORTS = ["inline", "shm"]
+
+
+def _drain(loader) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.clone() for k, v in batch.items()} for batch in loader]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_sample_once_labels_aligned_pixels_match(feed, data_dir, image_names, transport):
+    labels = [(i * 7) % 10 for i in range(len(image_names))]
+    loader = feed.loader(files=image_names, labels=labels, batch_size=32, size=(96, 128),
+                         transport=transport)
+    batches = _drain(loader)
+
+    assert loader.transport == transport
+    assert loader.failures == []
+    index = torch.cat([b["index"] for b in batches]).tolist()
+    assert sorted(index) == list(range(len(image_names)))
+    assert [len(b["index"]) for b in batches] == [32] * 9 + [12]
+    for batch in batches:
+        image = batch["image"]
+        assert image.dtype == torch.uint8 and image.shape[1:] == (3, 96, 128)
+        assert image.is_contiguous()
+        assert batch["label"].tolist() == [labels[i] for i in batch["index"].tolist()]
+        for row, i in enumerate(batch["index"].tolist()):
+            ref = reference_decode(data_dir / image_names[i], 96, 128)
+            assert psnr(image[row].numpy(), ref) >= MIN_PSNR_DB, image_names[i]
+
+
+def test_list_file_with_prefix(feed, image_names, data_dir):
+    (data_dir / "sub.flist").write_text("\n".join(n.removeprefix("img") for n in image_names[:10]))
+    loader = feed.loader(files="sub.flist", prefix="img", batch_size=4, size=(32, 32))
+    index = [i for b in loader for i in b["index"].tolist()]
+    assert index == list(range(10))
+
+
+def test_shuffle_is_a_function_of_seed_and_epoch(feed, image_names):
+    def order(epoch: int, seed: int = 5) -> list[int]:
+        loader = feed.loader(files=image_names, batch_size=50, size=(16, 16), shuffle=True,
+                             seed=seed, epoch=epoch, transport="shm")
+        return [i for b in loader for i in b["index"].tolist()]
+
+    first = order(0)
+    assert sorted(first) == list(range(len(image_names)))
+    assert first != list(range(len(image_names)))
+    assert order(0) == first
+    assert order(1) != first and sorted(order(1)) == sorted(first)
+    assert order(0, seed=6) != first
+
+
+def test_set_epoch_changes_the_next_pass(feed, image_names):
+    loader = feed.loader(files=image_names[:40], batch_size=8, size=(16, 16), shuffle=True)
+    epoch0 = [i for b in loader for i in b["index"].tolist()]
+    again = [i for b in loader for i in b["index"].tolist()]
+    loader.set_epoch(1)
+    epoch1 = [i for b in loader for i in b["index"].tolist()]
+    assert again == epoch0
+    assert epoch1 != epoch0 and sorted(epoch1) == sorted(epoch0)
+
+
+def test_world_size_splits_into_disjoint_shards(feed, image_names):
+    shards = []
+    for rank in range(3):
+        loader = feed.loader(files=image_names, batch_size=16, size=(16, 16), shuffle=True,
+                             seed=1, rank=rank, world_size=3)
+        shards.append([i for b in loader for i in b["index"].tolist()])
+    assert all(i % 3 == rank for rank, shard in enumerate(shards) for i in shard)
+    union = sorted(i for shard in shards for i in shard)
+    assert union == list(range(len(image_names)))
+
+
+def test_drop_last(feed, image_names):
+    loader = feed.loader(files=image_names[:50], batch_size=16, size=(16, 16), drop_last=True)
+    assert [len(b["index"]) for b in loader] == [16, 16, 16]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_full_size_batches(feed, data_dir, image_names, transport):
+    """256 x 3 x 224 x 224 uint8 is 38.5 MB a batch: beyond gRPC's default 4 MiB message."""
+    loader = feed.loader(files=image_names[:256], batch_size=256, size=(224, 224),
+                         transport=transport, prefetch=1)
+    (batch,) = list(loader)
+    assert batch["image"].shape == (256, 3, 224, 224)
+    assert batch["index"].tolist() == list(range(256))
+    for row in (0, 129, 255):
+        ref = reference_decode(data_dir / image_names[row], 224, 224)
+        assert psnr(batch["image"][row].numpy(), ref) >= MIN_PSNR_DB
+
+
+def test_bad_samples_fail_alone(feed, data_dir, image_names):
+    (data_dir / "not-an-image.jpg").write_bytes(b"this is text, not a JPEG\n" * 20)
+    (data_dir / "empty.jpg").write_bytes(b"")
+    files = image_names[:10] + ["not-an-image.jpg", "missing.jpg", "empty.jpg"] + image_names[10:20]
+    loader = feed.loader(files=files, batch_size=8, size=(32, 32), labels=list(range(len(files))))
+    batches = _drain(loader)
+    index = [i for b in batches for i in b["index"].tolist()]
+    assert index == [i for i in range(len(files)) if i not in (10, 11, 12)]
+    assert all(b["label"].tolist() == b["index"].tolist() for b in batches)
+    failures = dict(loader.failures)
+    assert sorted(failures) == [10, 11, 12]
+    assert failures[11] == "file not found"
+    assert "empty" in failures[12]
+
+
+def test_held_shm_batches_stay_intact(feed, data_dir, image_names):
+    """A slot is never rewritten while the trainer still holds a view of it."""
+    loader = feed.loader(files=image_names[:64], batch_size=8, size=(48, 48), transport="shm",
+                         prefetch=4)
+    held = []
+    for k, batch in enumerate(loader):
+        if k < 3:
+            held.append(batch)  # batches 3..7 must cycle through the two other slots
+    for batch in held:
+        for row, i in enumerate(batch["index"].tolist()):
+            ref = reference_decode(data_dir / image_names[i], 48, 48)
+            assert psnr(batch["image"][row].numpy(), ref) >= MIN_PSNR_DB
+
+
+def test_holding_every_batch_warns_instead_of_deadlocking(feed, image_names, caplog):
+    loader = feed.loader(files=image_names[:80], batch_size=8, size=(16, 16), transport="shm",
+                         prefetch=2)
+    held = list(loader)
+    assert sorted(i for b in held[-3:] for i in b["index"].tolist()) == list(range(56, 80))
+    assert "holds all 3 shared-memory batches" in caplog.text
+
+
+def test_copy_gives_owned_tensors(feed, data_dir, image_names):
+    loader = feed.loader(files=image_names[:40], batch_size=8, size=(24, 24), transport="shm",
+                         prefetch=1, copy=True)
+    held = list(loader)  # holding all five batches needs no warning: they are copies
+    assert [i for b in held for i in b["index"].tolist()] == list(range(40))
+    ref = reference_decode(data_dir / image_names[0], 24, 24)
+    assert psnr(held[0]["image"][0].numpy(), ref) >= MIN_PSNR_DB
+
+
+def test_no_segment_left_after_a_pass(feed, image_names):
+    before = shm_entries()
+    loader = feed.loader(files=image_names[:20], batch_size=4, size=(16, 16), transport="shm")
+    for _ in loader:
+        assert shm_entries() == before  # unlinked as soon as the client mapped it
+    assert shm_entries() == before
+
+
+def test_auto_picks_shm_on_the_same_host(feed, image_names):
+    loader = feed.loader(files=image_names[:4], batch_size=4, size=(16, 16))
+    list(loader)
+    assert loader.transport == "shm"
+
+
+def test_resume_from_state_dict(feed, image_names):
+    loader = feed.loader(files=image_names[:60], batch_size=8, size=(16, 16), shuffle=True,
+                         seed=3, epoch=2)
+    full = [b["index"].tolist() for b in loader]
+    partial = feed.loader(files=image_names[:60], batch_size=8, size=(16, 16), shuffle=True,
+                          seed=3, epoch=2)
+    for k, _ in enumerate(partial):
+        if k == 2:
+            break
+    state = partial.state_dict()
+    assert state == {"epoch": 2, "seed": 3, "batches_consumed": 3}
+    resumed = feed.loader(files=image_names[:60], batch_size=8, size=(16, 16), shuffle=True, seed=3)
+    resumed.load_state_dict(state)
+    assert [b["index"].tolist() for b in resumed] == full[3:]
+    assert np.array_equal(sorted(i for b in full for i in b), np.arange(60))

@@ -1,0 +1,58 @@
+"""Pure pieces of the server, without a process: ordering, data roots, the slot ring."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpufeed.server.paths import DataRoots, OutsideDataRoots
+from gpufeed.server.ring import BatchLayout, SlotRing
+from gpufeed.server.source import shard_order, split_batches
+
+
+def test_shard_then_shuffle():
+    order = shard_order(10, rank=1, world_size=3, shuffle=False, seed=0, epoch=0)
+    assert order.tolist() == [1, 4, 7]
+    shuffled = shard_order(100, rank=1, world_size=3, shuffle=True, seed=0, epoch=0)
+    assert sorted(shuffled.tolist()) == list(range(1, 100, 3))
+    assert shuffled.tolist() == shard_order(100, rank=1, world_size=3, shuffle=True, seed=0,
+                                            epoch=0).tolist()
+
+
+def test_split_batches():
+    order = np.arange(10)
+    assert [b.tolist() for b in split_batches(order, 4, drop_last=False)] == \
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert len(split_batches(order, 4, drop_last=True)) == 2
+
+
+def test_data_roots_confine_names(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (b / "only-in-b.jpg").write_bytes(b"x")
+    roots = DataRoots([str(a), str(b)])
+    assert roots.locate("x/y.jpg") == str(a / "x/y.jpg")
+    assert roots.locate("only-in-b.jpg") == str(b / "only-in-b.jpg")
+    assert roots.locate(str(b / "z.jpg")) == str(b / "z.jpg")
+    for bad in ("../a/x.jpg", "x/../../etc/passwd", "/etc/passwd", str(tmp_path / "ab")):
+        with pytest.raises(OutsideDataRoots):
+            roots.locate(bad)
+    (a / "escape").symlink_to("/etc")
+    with pytest.raises(OutsideDataRoots):
+        roots.read(roots.locate("escape/hostname"))
+
+
+def test_ring_leases_each_slot_once_until_released():
+    layout = BatchLayout(batch_size=4, height=2, width=3, with_labels=True)
+    assert layout.slot_bytes % 4096 == 0
+    ring = SlotRing(bytearray(3 * layout.slot_bytes), 3, layout.slot_bytes)
+    slots = [ring.lease(seq) for seq in range(3)]
+    assert sorted(slots) == [0, 1, 2] and ring.lease(3) is None
+    ring.release(1)
+    assert ring.lease(3) == slots[1]
+    with pytest.raises(KeyError):
+        ring.release(1)
+    views = layout.views(ring.slot(slots[0]))
+    assert views["image"].shape == (4, 3, 2, 3) and views["label"].dtype == np.int64
+    views["label"][:] = 7
+    assert not ring.slot(slots[1]).any()  # slots do not overlap
