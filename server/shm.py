@@ -45,6 +45,11 @@ class SharedSegment:
             raise
         self._linked = True
 
+    def rename(self, name: str) -> None:
+        path = os.path.join(SHM_DIR, name)
+        os.rename(self._path, path)
+        self.name, self._path = name, path
+
     def unlink(self) -> None:
         """Remove the name from /dev/shm; mappings stay valid until closed."""
         if self._linked:
@@ -77,9 +82,11 @@ class ShmNamespace:
         if removed:
             _log.info("removed %d shared-memory segments left by dead servers", removed)
         self.probe_token = secrets.token_bytes(16)
-        self.probe = SharedSegment(f"gpufeed-{self.server_id}-probe", len(self.probe_token))
-        self.probe.buffer[:] = self.probe_token
+        # Lock the probe before it carries a name that a starting server would sweep.
+        self.probe = SharedSegment(f".gpufeed-new-{self.server_id}", len(self.probe_token))
         fcntl.flock(self.probe._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.probe.buffer[:] = self.probe_token
+        self.probe.rename(f"gpufeed-{self.server_id}-probe")
 
     def create(self, size: int) -> SharedSegment:
         return SharedSegment(f"gpufeed-{self.server_id}-{secrets.token_hex(8)}", size)
