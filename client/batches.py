@@ -29,7 +29,7 @@ from .shm import map_segment
 __all__ = ["InlineBatches", "ShmBatches"]
 
 _log = logging.getLogger(__name__)
-Release = Callable[[int], None]
+Release = Callable[[int], None]  # gives batch seq's slot back to the server
 
 
 def _tensors(buffer: np.ndarray, metas) -> dict[str, torch.Tensor]:
@@ -43,13 +43,13 @@ def _tensors(buffer: np.ndarray, metas) -> dict[str, torch.Tensor]:
 
 
 class InlineBatches:
-    def __init__(self, header: feed_pb2.StreamHeader, release: Release):
-        self._release = release
+    owned = True  # the caller releases each batch's slot as soon as it has the tensors
+
+    def make_room(self) -> None:
+        pass
 
     def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
-        buffer = np.frombuffer(bytearray(batch.data), np.uint8)
-        self._release(batch.seq)
-        return _tensors(buffer, batch.tensors)
+        return _tensors(np.frombuffer(bytearray(batch.data), np.uint8), batch.tensors)
 
 
 class ShmBatches:
@@ -58,7 +58,7 @@ class ShmBatches:
         self._slot_bytes = header.slot_bytes
         self._num_slots = header.num_slots
         self._release = release
-        self._copy = copy
+        self.owned = copy
         self._held: collections.deque[weakref.finalize] = collections.deque()
         self._warned = False
 
@@ -79,9 +79,8 @@ class ShmBatches:
         base = np.frombuffer(self._memory, np.uint8, count=self._slot_bytes,
                              offset=batch.slot * self._slot_bytes)
         tensors = _tensors(base, batch.tensors)
-        if self._copy:
+        if self.owned:
             tensors = {name: t.clone() for name, t in tensors.items()}
-            self._release(batch.seq)
         else:
             self._held.append(weakref.finalize(base, self._release, batch.seq))
         return tensors

@@ -20,13 +20,32 @@ _TRANSPORTS = {"auto": feed_pb2.TRANSPORT_AUTO, "inline": feed_pb2.TRANSPORT_INL
                "shm": feed_pb2.TRANSPORT_SHM, "cuda_ipc": feed_pb2.TRANSPORT_CUDA_IPC}
 
 
-class FeedClient:
-    """A connection to ``address`` ("host:port"). Use as a context manager or call close()."""
+# Keepalive pings find a server that vanished without closing the connection
+# (host down, network cut) within about 5 s, instead of a hang.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),  # inline batches are as large as they are
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
-    def __init__(self, address: str, *, connect_timeout: float = 10.0):
+
+class FeedClient:
+    """A connection to ``address`` ("host:port"). Use as a context manager or call close().
+
+    ``credentials`` (e.g. ``grpc.ssl_channel_credentials(ca_pem)``) makes it a TLS
+    channel; ``token`` is sent as ``authorization: Bearer <token>`` on every call.
+    """
+
+    def __init__(self, address: str, *, connect_timeout: float = 10.0,
+                 credentials: grpc.ChannelCredentials | None = None, token: str | None = None):
         self.address = address
-        self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", -1)])
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.stub = feed_pb2_grpc.FeedStub(self._channel)
         self._connect_timeout = connect_timeout
         self._auto: int | None = None
@@ -43,7 +62,7 @@ class FeedClient:
     def info(self) -> feed_pb2.InfoResponse:
         try:
             return self.stub.Info(feed_pb2.InfoRequest(), timeout=self._connect_timeout,
-                                  wait_for_ready=True)
+                                  wait_for_ready=True, metadata=self.metadata)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise FeedError(grpc.StatusCode.UNAVAILABLE,
@@ -68,12 +87,17 @@ class FeedClient:
                prefix: str = "", labels: Sequence[int] | None = None, shuffle: bool = False,
                seed: int = 0, epoch: int = 0, rank: int = 0, world_size: int = 1,
                drop_last: bool = False, transport: str = "auto", prefetch: int = 0,
-               copy: bool = False) -> Loader:
+               copy: bool = False, failure_budget: int | float = 0,
+               reconnect_timeout: float = 30.0) -> Loader:
         """A loader over ``files``: a list of paths, or the path of a list file on the server.
 
         ``size`` is (height, width). ``prefetch`` is how many batches the server
         may decode ahead (0: the server's default). ``copy=True`` makes shm
         batches owned tensors instead of views of shared memory.
+        ``failure_budget``: how many samples may fail before the pass ends with
+        DATA_LOSS; an int is a count, a float in (0, 1) a fraction of the pass,
+        0 the server's default (10 samples or 0.1%). ``reconnect_timeout``:
+        seconds to keep reconnecting after the server becomes unavailable (0: never).
         """
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
@@ -82,8 +106,15 @@ class FeedClient:
             output=feed_pb2.OutputSpec(height=size[0], width=size[1]),
             drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank,
             world_size=world_size, transport=_TRANSPORTS[transport], prefetch=prefetch)
+        if isinstance(failure_budget, float) and 0 < failure_budget < 1:
+            request.max_failure_fraction = failure_budget
+        elif isinstance(failure_budget, int) and failure_budget >= 0:
+            request.max_failures = failure_budget
+        else:
+            raise ValueError(f"failure_budget must be a count (int >= 0) or a fraction in (0, 1), "
+                             f"got {failure_budget!r}")
         if isinstance(files, str):
             request.list_file = files
         else:
             request.files.paths.extend(files)
-        return Loader(self, request, copy)
+        return Loader(self, request, copy=copy, reconnect_timeout=reconnect_timeout)

@@ -1,20 +1,25 @@
-"""``Loader``: an iterable of batches; each pass over it is one Stream call.
+"""``Loader``: an iterable of batches; each pass over it is one epoch.
 
-A pass opens a stream for the loader's current epoch, reads the header,
-maps the stream's memory (shm) and yields one ``dict[str, torch.Tensor]`` per
-batch: ``image`` uint8 [N, 3, H, W], ``index`` int64 [N] (each sample's position
-in the request's file list) and ``label`` int64 [N] when labels were given.
-Samples that failed to read or decode are left out of the batch; they are
-logged once each and listed in ``loader.failures`` for the current pass.
+A pass opens a Stream for the loader's current epoch, reads the header, maps
+the stream's memory (shm) and yields one ``dict[str, torch.Tensor]`` per batch:
+``image`` uint8 [N, 3, H, W], ``index`` int64 [N] (each sample's position in the
+request's file list) and ``label`` int64 [N] when labels were given. Samples
+that failed to read or decode are left out of the batch; they are logged once
+each and listed in ``loader.failures`` for the current pass.
 
-``state_dict()`` records (epoch, seed, batches consumed); a loader that loads it
-resumes its next pass right after the last batch consumed.
+The loader knows its position (batches consumed in the current epoch). When a
+stream breaks with UNAVAILABLE (server restarted, draining, or it ended a
+stream the trainer left idle past its lease timeout), the loader reconnects
+with bounded backoff and reopens at that position, so the pass neither loses
+nor repeats a sample; it gives up after ``reconnect_timeout`` seconds without
+progress. ``state_dict()`` records the same position for a restarted trainer.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -32,13 +37,16 @@ if TYPE_CHECKING:
 __all__ = ["Loader"]
 
 _log = logging.getLogger(__name__)
+_MAX_BACKOFF = 2.0
 
 
 class Loader:
-    def __init__(self, client: FeedClient, request: feed_pb2.StreamRequest, copy: bool):
+    def __init__(self, client: FeedClient, request: feed_pb2.StreamRequest, *, copy: bool,
+                 reconnect_timeout: float):
         self._client = client
         self._request = request
         self._copy = copy
+        self._reconnect_timeout = reconnect_timeout
         self._consumed = 0  # batches of the current epoch already yielded
         self.transport: str | None = None  # set when a pass opens: "inline" or "shm"
         self.failures: list[tuple[int, str]] = []
@@ -65,43 +73,64 @@ class Loader:
         self._consumed = state["batches_consumed"]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self.failures = []
+        outage_since = None
+        backoff = 0.05
+        while True:
+            try:
+                for batch in self._pass():
+                    outage_since, backoff = None, 0.05
+                    yield batch
+                break
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or self._reconnect_timeout <= 0:
+                    raise FeedError.from_rpc(e, self._client.address) from None
+                now = time.monotonic()
+                outage_since = outage_since or now
+                if now - outage_since >= self._reconnect_timeout:
+                    raise FeedError(grpc.StatusCode.UNAVAILABLE,
+                                    f"gave up after {self._reconnect_timeout:g} s without a batch "
+                                    f"from {self._client.address}: {e.details()}") from None
+                _log.warning("stream interrupted (%s); resuming at batch %d", e.details(),
+                             self._consumed)
+                time.sleep(backoff)
+                backoff = min(2 * backoff, _MAX_BACKOFF)
+        self._consumed = 0  # the pass is complete: the next one starts the epoch over
+
+    def _pass(self) -> Iterator[dict[str, torch.Tensor]]:
+        """One Stream call from the current position to the end of the epoch."""
         request = feed_pb2.StreamRequest()
         request.CopyFrom(self._request)
         request.start_batch = self._consumed
         if request.transport == feed_pb2.TRANSPORT_AUTO:
             request.transport = self._client.auto_transport()
-        self.failures = []
-        try:
-            yield from self._pass(request)
-        except grpc.RpcError as e:
-            raise FeedError.from_rpc(e, self._client.address) from None
-        self._consumed = 0  # the pass is complete: the next one starts the epoch over
-
-    def _pass(self, request: feed_pb2.StreamRequest) -> Iterator[dict[str, torch.Tensor]]:
         outbox: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from GC callbacks
         outbox.put(feed_pb2.ClientMessage(open=request))
 
-        def release(seq: int) -> None:
-            outbox.put(feed_pb2.ClientMessage(release=feed_pb2.Release(seqs=[seq])))
+        def release(seq: int, waited: float = 0.0) -> None:
+            outbox.put(feed_pb2.ClientMessage(
+                release=feed_pb2.Release(seqs=[seq] if seq >= 0 else [], wait_seconds=waited)))
 
-        call = self._client.stub.Stream(iter(outbox.get, None))
+        call = self._client.stub.Stream(iter(outbox.get, None), metadata=self._client.metadata)
         try:
             header = next(call).header
             self.transport = feed_pb2.Transport.Name(header.transport).removeprefix("TRANSPORT_").lower()
             if header.transport == feed_pb2.TRANSPORT_SHM:
                 batches = ShmBatches(header, release, self._copy)
                 outbox.put(feed_pb2.ClientMessage(attached=feed_pb2.Attached()))
-                make_room = batches.make_room
             else:
-                batches = InlineBatches(header, release)
-                make_room = _nothing
+                batches = InlineBatches()
             while True:
-                make_room()
+                batches.make_room()
+                waiting = time.perf_counter()
                 message = next(call, None)
+                waited = time.perf_counter() - waiting
                 if message is None:
                     return
                 self._note_failures(message.batch)
                 tensors = batches.tensors(message.batch)
+                # Owned tensors give the slot back now; views give it back when dropped.
+                release(message.batch.seq if batches.owned else -1, waited)
                 self._consumed = message.batch.seq + 1
                 yield tensors
         finally:
@@ -112,7 +141,3 @@ class Loader:
         for failure in batch.failures:
             self.failures.append((failure.index, failure.reason))
             _log.warning("sample %d skipped: %s", failure.index, failure.reason)
-
-
-def _nothing() -> None:
-    pass
