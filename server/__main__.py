@@ -9,6 +9,7 @@ import sys
 import threading
 
 from .app import FeedServer, ServerConfig, default_threads
+from .auth import read_token
 from .request import Limits
 
 
@@ -21,12 +22,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="decode threads shared by all streams (default: cores, %(default)s)")
     p.add_argument("--metrics-port", type=int, default=0,
-                   help="port for Prometheus /metrics (0: off)")
+                   help="port for Prometheus /metrics, on the --listen host (0: off)")
     p.add_argument("--max-streams", type=int, default=64, help="concurrent streams (default %(default)s)")
     p.add_argument("--max-prefetch", type=int, default=Limits.max_prefetch,
                    help="largest prefetch a stream may ask for (default %(default)s)")
     p.add_argument("--max-batch-bytes", type=int, default=Limits.max_batch_bytes,
                    help="largest batch, in bytes (default %(default)s)")
+    p.add_argument("--max-samples", type=int, default=Limits.max_samples,
+                   help="longest sample list a request may name (default %(default)s)")
+    p.add_argument("--lease-timeout", type=float, default=Limits.lease_timeout,
+                   help="seconds a trainer may hold every slot before its stream is ended "
+                        "(it can resume; default %(default)s)")
+    p.add_argument("--drain-seconds", type=float, default=ServerConfig.drain_seconds,
+                   help="on SIGTERM, how long open streams may go on (default %(default)s)")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
+    p.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    p.add_argument("--tls-client-ca", metavar="PEM",
+                   help="require client certificates signed by this CA (mutual TLS)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="require `authorization: Bearer <token>` on every call (token read "
+                        "from FILE; health checks are exempt)")
     return p
 
 
@@ -35,12 +50,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads < 1:
         _parser().error("--threads must be at least 1")
-    config = ServerConfig(
-        data_roots=args.data_root, listen=args.listen, threads=args.threads,
-        metrics_port=args.metrics_port, max_streams=args.max_streams,
-        limits=Limits(max_prefetch=args.max_prefetch, max_batch_bytes=args.max_batch_bytes),
-    )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        _parser().error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        _parser().error("--tls-client-ca needs --tls-cert and --tls-key")
     try:
+        config = ServerConfig(
+            data_roots=args.data_root, listen=args.listen, threads=args.threads,
+            metrics_port=args.metrics_port, max_streams=args.max_streams,
+            limits=Limits(max_prefetch=args.max_prefetch, max_batch_bytes=args.max_batch_bytes,
+                          max_samples=args.max_samples, lease_timeout=args.lease_timeout),
+            drain_seconds=args.drain_seconds, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            token=read_token(args.token_file) if args.token_file else None,
+        )
         server = FeedServer(config)
     except (OSError, ValueError) as e:
         print(f"gpufeed-server: {e}", file=sys.stderr)
@@ -53,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     server.start()
+    if server.metrics.address:  # before the ready line, so whoever waits for it has both
+        logging.getLogger("gpufeed.server").info(
+            "gpufeed-server metrics on http://%s/metrics", server.metrics.address)
     logging.getLogger("gpufeed.server").info(
         "gpufeed-server ready on %s (data roots: %s; %d decode threads)",
         server.address, ", ".join(config.data_roots), config.threads)

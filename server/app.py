@@ -17,6 +17,8 @@ from grpc_reflection.v1alpha import reflection
 
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
+from .auth import TokenInterceptor, server_credentials
+from .metrics import ServerMetrics
 from .paths import DataRoots
 from .pool import DecodePool
 from .request import Limits
@@ -43,6 +45,25 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     # Largest client message (requests with long inline file lists).
     max_request_bytes: int = 64 << 20
+    # On SIGTERM, open streams get this long to finish before they end UNAVAILABLE.
+    drain_seconds: float = 5.0
+    # TLS (cert + key; client_ca also demands client certificates) and a bearer token.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    token: str | None = None
+
+
+# Let clients ping every second or so (they do, to notice a dead server), and
+# ping them, to notice a trainer whose host went away without closing its socket.
+_GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 class FeedServer:
@@ -51,23 +72,30 @@ class FeedServer:
         self._roots = DataRoots(config.data_roots)
         self._shm = ShmNamespace()
         self._pool = DecodePool(config.threads)
+        self.metrics = ServerMetrics(self._pool)
         # Each stream holds a handler thread; keep a few workers for Info and health.
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_streams + 8,
                                        thread_name_prefix="gpufeed-rpc"),
-            options=[("grpc.max_send_message_length", -1),
-                     ("grpc.max_receive_message_length", config.max_request_bytes)],
+            options=[*_GRPC_OPTIONS, ("grpc.max_receive_message_length", config.max_request_bytes)],
+            interceptors=[TokenInterceptor(config.token)] if config.token else [],
         )
         self.servicer = FeedServicer(self._roots, self._pool, self._shm, config.limits,
-                                     config.max_streams)
+                                     config.max_streams, self.metrics)
         feed_pb2_grpc.add_FeedServicer_to_server(self.servicer, self._grpc)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
-        self.port = self._grpc.add_insecure_port(config.listen)
+        if config.tls_cert or config.tls_key:
+            credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+            self.port = self._grpc.add_secure_port(config.listen, credentials)
+        else:
+            self.port = self._grpc.add_insecure_port(config.listen)
         if self.port == 0:
             raise OSError(f"cannot listen on {config.listen}")
+        if config.metrics_port:  # bound now, so a taken port fails start-up like --listen
+            self.metrics.serve(config.listen.rsplit(":", 1)[0], config.metrics_port)
 
     @property
     def address(self) -> str:
@@ -82,9 +110,11 @@ class FeedServer:
     def wait(self) -> None:
         self._grpc.wait_for_termination()
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Refuse new calls, give open ones ``grace`` seconds, then free everything."""
+    def stop(self) -> None:
+        """Drain: refuse new streams, give open ones ``drain_seconds``, then free everything."""
         self._health.enter_graceful_shutdown()
-        self._grpc.stop(grace).wait()
+        self.servicer.drain(self.config.drain_seconds)
+        self._grpc.stop(1.0).wait()
         self._pool.close()
         self._shm.close()
+        self.metrics.close()

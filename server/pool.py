@@ -37,6 +37,10 @@ class DecodePool:
         for row in rows:
             self._tasks.put((job, row))
 
+    def queued(self) -> int:
+        """Rows waiting for a decode thread (the decode queue occupancy metric)."""
+        return self._tasks.qsize()
+
     def close(self) -> None:
         for _ in self._workers:
             self._tasks.put(None)

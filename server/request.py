@@ -33,7 +33,15 @@ class RequestError(Exception):
 
 @dataclass(frozen=True)
 class Limits:
+    # A request that sets no failure budget tolerates this many bad samples, or
+    # this fraction of its samples if that is more: a few bad files in a large
+    # data set are normal, a directory of them is a mistake worth stopping for.
+    default_max_failures: int = 10
+    default_max_failure_fraction: float = 0.001
     default_prefetch: int = 4
+    # A stream whose trainer releases nothing for this long while every slot is
+    # leased is ended (UNAVAILABLE; the client library resumes it).
+    lease_timeout: float = 300.0
     max_prefetch: int = 16
     max_batch_bytes: int = 1 << 30
     max_samples: int = 10_000_000
@@ -52,6 +60,8 @@ class StreamPlan:
     width: int
     transport: int
     prefetch: int
+    max_failures: int
+    lease_timeout: float
 
     @property
     def num_slots(self) -> int:
@@ -121,7 +131,19 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                        f"got {req.start_batch}")
     return StreamPlan(paths=paths, labels=labels, batches=batches, start_batch=req.start_batch,
                       layout=layout, height=height, width=width, transport=transport,
-                      prefetch=prefetch)
+                      prefetch=prefetch, max_failures=_failure_budget(req, len(order), limits),
+                      lease_timeout=limits.lease_timeout)
+
+
+def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limits) -> int:
+    if req.max_failures < 0:
+        raise _invalid(f"max_failures must be >= 0, got {req.max_failures}")
+    if not 0 <= req.max_failure_fraction <= 1:
+        raise _invalid(f"max_failure_fraction must be in [0, 1], got {req.max_failure_fraction}")
+    count, fraction = req.max_failures, req.max_failure_fraction
+    if count == 0 and fraction == 0:
+        count, fraction = limits.default_max_failures, limits.default_max_failure_fraction
+    return max(count, int(fraction * num_samples))
 
 
 def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -18,6 +19,7 @@ import numpy as np
 import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
+from .metrics import ServerMetrics
 from .paths import DataRoots
 from .pool import DecodePool
 from .request import Limits, RequestError, StreamPlan, plan_stream
@@ -33,14 +35,17 @@ _INLINE_ALIGN = 64
 
 class FeedServicer(feed_pb2_grpc.FeedServicer):
     def __init__(self, roots: DataRoots, pool: DecodePool, shm: ShmNamespace,
-                 limits: Limits, max_streams: int):
+                 limits: Limits, max_streams: int, metrics: ServerMetrics | None = None):
         self._roots = roots
+        self._metrics = metrics if metrics is not None else ServerMetrics(pool)
         self._pool = pool
         self._shm = shm
         self._limits = limits
         self._max_streams = max_streams
-        self._open_streams = 0
-        self._lock = threading.Lock()
+        self._streams: set[Stream] = set()
+        self._open_streams = 0  # counted from admission, before their Stream exists
+        self._draining = False
+        self._lock = threading.Condition()
         self.transports = (feed_pb2.TRANSPORT_INLINE, feed_pb2.TRANSPORT_SHM)
 
     def Info(self, request, context):
@@ -62,33 +67,50 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             plan = plan_stream(first.open, self._roots, self._limits, self.transports)
         except RequestError as e:
             context.abort(e.code, str(e))
-        if not self._enter():
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"the server already serves {self._max_streams} streams "
-                          f"(--max-streams); retry later")
+        refusal = self._enter()
+        if refusal is not None:
+            context.abort(*refusal)
         try:
             yield from self._serve(plan, request_iterator, context)
         finally:
             with self._lock:
                 self._open_streams -= 1
+                self._lock.notify_all()
 
-    def _enter(self) -> bool:
+    def drain(self, grace: float) -> None:
+        """Refuse new streams; give open ones ``grace`` seconds, then end them UNAVAILABLE."""
         with self._lock:
+            self._draining = True
+            if not self._lock.wait_for(lambda: self._open_streams == 0, timeout=grace):
+                for stream in self._streams:
+                    stream.cancel(grpc.StatusCode.UNAVAILABLE,
+                                  "the server is shutting down; resume from your position")
+                self._lock.wait_for(lambda: self._open_streams == 0, timeout=5.0)
+
+    def _enter(self) -> tuple[grpc.StatusCode, str] | None:
+        """Admit a stream, or say why not."""
+        with self._lock:
+            if self._draining:
+                return grpc.StatusCode.UNAVAILABLE, "the server is shutting down"
             if self._open_streams >= self._max_streams:
-                return False
+                return (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"the server already serves {self._max_streams} streams "
+                        f"(--max-streams {self._max_streams}); retry later")
             self._open_streams += 1
-            return True
+            return None
 
     def _serve(self, plan: StreamPlan, request_iterator, context):
         slots_bytes = plan.num_slots * plan.layout.slot_bytes
         segment = self._shm.create(slots_bytes) if plan.transport == feed_pb2.TRANSPORT_SHM else None
         buffer = segment.buffer if segment else bytearray(slots_bytes)
-        stream = Stream(plan, self._roots, self._pool, buffer)
+        stream = Stream(plan, self._roots, self._pool, buffer, self._metrics)
         context.add_callback(stream.cancel)
-        errors: list[str] = []
         reader = threading.Thread(target=_read_client, name="gpufeed-client-reader",
-                                  args=(request_iterator, stream, segment, errors), daemon=True)
+                                  args=(request_iterator, stream, segment), daemon=True)
+        with self._lock:
+            self._streams.add(stream)
         try:
+            self._metrics.opened(stream, plan.transport)
             stream.start()
             reader.start()
             yield feed_pb2.ServerMessage(header=feed_pb2.StreamHeader(
@@ -100,17 +122,23 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 num_batches=len(plan.batches) - plan.start_batch,
             ))
             for batch in stream.published():
-                yield feed_pb2.ServerMessage(batch=_batch_message(batch, plan))
-        except StreamCancelled:
-            if errors:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, errors[0])
+                message = feed_pb2.ServerMessage(batch=_batch_message(batch, plan))
+                sending = time.perf_counter()
+                yield message  # returns once gRPC has taken the message
+                self._metrics.sent(plan.transport, message, time.perf_counter() - sending)
+        except StreamCancelled as e:
+            if e.code is not None:
+                context.abort(e.code, e.message)
         finally:
+            with self._lock:
+                self._streams.discard(stream)
+            self._metrics.closed(stream)
             stream.close()
             if segment is not None:
                 segment.close()
 
 
-def _read_client(request_iterator, stream: Stream, segment, errors: list[str]) -> None:
+def _read_client(request_iterator, stream: Stream, segment) -> None:
     """Apply the client's messages after `open` until it half-closes or goes away."""
     try:
         for message in request_iterator:
@@ -119,9 +147,10 @@ def _read_client(request_iterator, stream: Stream, segment, errors: list[str]) -
                 try:
                     stream.release(message.release.seqs)
                 except KeyError as e:
-                    errors.append(f"release: batch {e.args[0]} holds no slot of this stream")
-                    stream.cancel()
+                    stream.cancel(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"release: batch {e.args[0]} holds no slot of this stream")
                     return
+                stream.metrics.released(stream.plan.transport, message.release)
             elif kind == "attached" and segment is not None:
                 segment.unlink()
     except grpc.RpcError:

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 
 from .decode import DecodeError, ImageDecoder
+from .metrics import ServerMetrics
 from .paths import DataRoots
 from .pool import DecodePool
 from .request import StreamPlan
@@ -28,7 +31,16 @@ __all__ = ["Batch", "Stream", "StreamCancelled"]
 
 
 class StreamCancelled(Exception):
-    """The stream ended before its last batch (client gone, server stopping)."""
+    """The stream ended before its last batch.
+
+    ``code`` and ``message`` are the status to send the client; ``code`` is None
+    when there is nobody to tell (the client went away).
+    """
+
+    def __init__(self, code: grpc.StatusCode | None = None, message: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 class Batch:
@@ -44,6 +56,7 @@ class Batch:
         self._stream = stream
         self._pending = len(indices)
         self.done = False
+        self._started = time.perf_counter()  # the batch stage's start
 
     def decode_row(self, row: int, decoder: ImageDecoder) -> None:
         """Decode sample ``indices[row]`` into row ``row`` (run by a decode thread)."""
@@ -52,8 +65,10 @@ class Batch:
         if not stream.cancelled:
             index = int(self.indices[row])
             try:
-                data = stream.roots.read(stream.plan.paths[index])
-                decoder.decode_into(data, self.arrays["image"][row])
+                with stream.metrics.stages["read"].time():
+                    data = stream.roots.read(stream.plan.paths[index])
+                with stream.metrics.stages["decode"].time():
+                    decoder.decode_into(data, self.arrays["image"][row])
             except FileNotFoundError:
                 failure = "file not found"
             except PermissionError as e:
@@ -86,15 +101,20 @@ class Batch:
         if labels is not None:
             self.arrays["label"][:self.rows] = labels[kept]
         self.done = True
+        self._stream.metrics.stages["batch"].observe(time.perf_counter() - self._started)
 
 
 class Stream:
-    def __init__(self, plan: StreamPlan, roots: DataRoots, pool: DecodePool, buffer):
+    def __init__(self, plan: StreamPlan, roots: DataRoots, pool: DecodePool, buffer,
+                 metrics: ServerMetrics | None = None):
         self.plan = plan
+        self.metrics = metrics if metrics is not None else ServerMetrics()
         self.roots = roots
         self.ring = SlotRing(buffer, plan.num_slots, plan.layout.slot_bytes)
         self.cond = threading.Condition()
         self.cancelled = False
+        self._ending = StreamCancelled()
+        self._last_release = time.monotonic()
         self._pool = pool
         self._batches: dict[int, Batch] = {}
         self._next_seq = plan.start_batch
@@ -112,23 +132,56 @@ class Stream:
             for seq in seqs:
                 self.ring.release(seq)
                 self._batches.pop(seq, None)
+            if seqs:
+                self._last_release = time.monotonic()
             self._start_ready()
 
-    def cancel(self) -> None:
+    def cancel(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
+        """End the stream; ``published()`` raises StreamCancelled(code, message)."""
         with self.cond:
-            self.cancelled = True
+            if not self.cancelled:
+                self.cancelled = True
+                self._ending = StreamCancelled(code, message)
             self.cond.notify_all()
 
     def published(self) -> Iterator[Batch]:
-        """Finished batches by seq. Raises StreamCancelled if cancelled first."""
+        """Finished batches by seq.
+
+        Raises StreamCancelled when the stream is cancelled, when more samples
+        failed than the request's budget, or when the trainer has held every
+        slot for longer than the lease timeout.
+        """
+        failed: list[tuple[int, str]] = []
         for seq in range(self.plan.start_batch, len(self.plan.batches)):
             with self.cond:
-                self.cond.wait_for(lambda: self.cancelled or
-                                   (seq in self._batches and self._batches[seq].done))
-                if self.cancelled:
-                    raise StreamCancelled()
-                batch = self._batches[seq]
+                batch = self._wait_done(seq)
+            failed += batch.failures
+            if len(failed) > self.plan.max_failures:
+                examples = "; ".join(f"sample {i}: {why}" for i, why in failed[:5])
+                raise StreamCancelled(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"{len(failed)} samples failed, over this stream's failure budget of "
+                    f"{self.plan.max_failures} (max_failures / max_failure_fraction): {examples}")
             yield batch
+
+    def _wait_done(self, seq: int) -> Batch:
+        while True:
+            if self.cancelled:
+                raise self._ending
+            batch = self._batches.get(seq)
+            if batch is not None and batch.done:
+                return batch
+            timeout = None
+            if batch is None:  # every slot is leased: the trainer must release one
+                idle = time.monotonic() - self._last_release
+                if idle >= self.plan.lease_timeout:
+                    raise StreamCancelled(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"lease timeout: the trainer released no batch for "
+                        f"{self.plan.lease_timeout:g} s (server's --lease-timeout); "
+                        f"resume from batch {seq}")
+                timeout = self.plan.lease_timeout - idle
+            self.cond.wait(timeout)
 
     def close(self) -> None:
         """Cancel, then wait until no decode thread still writes into the ring."""

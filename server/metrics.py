@@ -1,0 +1,220 @@
+"""Prometheus metrics of one server, and the HTTP endpoint that exposes them.
+
+Every metric lives in a ``CollectorRegistry`` owned by the ``ServerMetrics``
+object, not in prometheus-client's global default registry: several servers in
+one process (the tests start many) would otherwise collide on metric names, and
+a server's figures would outlive it.
+
+Names follow Prometheus conventions: the ``gpufeed_`` prefix, base units
+(seconds, bytes), ``_total`` on counters. Labels stay low-cardinality: the
+transport, a failure category, a pipeline stage; never a file name or a stream
+id. Every label value is created up front, so each series exists (at zero)
+from the first scrape and dashboards never show "no data" for an idle path.
+
+Gauges about live state (open streams, leased slots, queued decode tasks) are
+computed at scrape time from the live objects rather than kept by inc/dec
+calls, so no unusual way for a stream to end can leave them drifting.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, PlatformCollector,
+                               ProcessCollector, start_http_server)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+import gpufeed
+from gpufeed.v1 import feed_pb2
+
+__all__ = ["FAILURE_REASONS", "STAGES", "TRANSPORTS", "ServerMetrics", "failure_reason",
+           "transport_name"]
+
+TRANSPORTS = ("inline", "shm", "cuda_ipc")
+# read: one sample's bytes; decode: one sample decoded and scaled into its row;
+# batch: a batch from its first row queued to its last row done (queueing included);
+# device_copy: host-to-device copy of a batch (only where a GPU is attached);
+# send: a batch message handed to gRPC until gRPC takes the next (flow control included).
+STAGES = ("read", "decode", "batch", "device_copy", "send")
+FAILURE_REASONS = ("not_found", "permission_denied", "read_error", "decode_error")
+# From tens of microseconds (a cached read, a small image) to tens of seconds (a
+# large batch on a busy pool): one set of buckets fits per-sample and per-batch stages.
+_STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                  0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                 1.0, 2.5, 5.0, 10.0)
+# The reason strings stream.py puts in a batch's failures, by category.
+_REASON_PREFIXES = (("file not found", "not_found"), ("permission denied", "permission_denied"),
+                    ("read error", "read_error"))
+
+
+def transport_name(transport: int) -> str:
+    """``feed_pb2.TRANSPORT_SHM`` -> ``"shm"``: the label value, as the client names it."""
+    return feed_pb2.Transport.Name(transport).removeprefix("TRANSPORT_").lower()
+
+
+def failure_reason(reason: str) -> str:
+    """The label for a failure message: a fixed category, never the message itself."""
+    for prefix, category in _REASON_PREFIXES:
+        if reason.startswith(prefix):
+            return category
+    return "decode_error"
+
+
+class ServerMetrics:
+    """The metrics of one server. Thread-safe: decode, handler and reader threads record."""
+
+    def __init__(self, pool=None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._samples = Counter("gpufeed_samples", "Samples delivered to trainers in batches "
+                                "(failed samples excluded).", ["transport"], registry=r)
+        self._batches = Counter("gpufeed_batches", "Batches delivered to trainers.",
+                                ["transport"], registry=r)
+        self._batch_bytes = Counter("gpufeed_batch_bytes", "Tensor bytes of the batches "
+                                    "delivered, whatever carried them.", ["transport"], registry=r)
+        self._message_bytes = Counter("gpufeed_message_bytes", "Serialized size of the batch "
+                                      "messages sent over gRPC (inline carries the tensors; "
+                                      "shm only their metadata).", ["transport"], registry=r)
+        self._streams = Counter("gpufeed_streams", "Streams opened.", ["transport"], registry=r)
+        self._failures = Counter("gpufeed_sample_failures", "Samples that failed to read or "
+                                 "decode and were left out of their batch.", ["reason"],
+                                 registry=r)
+        self._stage = Histogram("gpufeed_stage_duration_seconds", "Time spent per pipeline "
+                                "stage: read and decode per sample; batch, device_copy and "
+                                "send per batch.", ["stage"], buckets=_STAGE_BUCKETS, registry=r)
+        self._wait = Histogram("gpufeed_trainer_wait_seconds", "Time a trainer waited for a "
+                               "batch, as the trainer reports it (a data stall when large).",
+                               ["transport"], buckets=_WAIT_BUCKETS, registry=r)
+        Info("gpufeed_build", "The running gpufeed version.", registry=r).info(
+            {"version": gpufeed.__version__})
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        for transport in TRANSPORTS:
+            for family in (self._samples, self._batches, self._batch_bytes,
+                           self._message_bytes, self._streams, self._wait):
+                family.labels(transport)
+        for reason in FAILURE_REASONS:
+            self._failures.labels(reason)
+        # Stream code times its stages with ``with metrics.stages["read"].time():``.
+        self.stages = {stage: self._stage.labels(stage) for stage in STAGES}
+        self._live = _LiveState(pool)
+        r.register(self._live)
+        self._http = None
+        self.address = ""
+
+    def opened(self, stream, transport: int) -> None:
+        """A stream started serving: it counts as active until ``closed``."""
+        name = transport_name(transport)
+        self._streams.labels(name).inc()
+        self._live.add(stream, name)
+
+    def closed(self, stream) -> None:
+        """Safe to call for a stream never opened, and more than once."""
+        self._live.discard(stream)
+
+    def sent(self, transport: int, message: feed_pb2.ServerMessage, seconds: float) -> None:
+        """A batch message went out: count what the trainer received, and how long it took."""
+        name = transport_name(transport)
+        batch = message.batch
+        rows = 0
+        nbytes = 0
+        for tensor in batch.tensors:
+            count = math.prod(tensor.shape)
+            nbytes += count * _itemsize(tensor.dtype)
+            if tensor.name == "index":
+                rows = count
+        self._samples.labels(name).inc(rows)
+        self._batches.labels(name).inc()
+        self._batch_bytes.labels(name).inc(nbytes)
+        self._message_bytes.labels(name).inc(message.ByteSize())
+        for failure in batch.failures:
+            self._failures.labels(failure_reason(failure.reason)).inc()
+        self.stages["send"].observe(seconds)
+
+    def released(self, transport: int, release: feed_pb2.Release) -> None:
+        """Record the trainer's wait for a batch, carried by its Release.
+
+        ``wait_seconds`` is a plain proto3 double, so 0 is also "not reported":
+        an older client, or the later Release that only returns a shm slot the
+        trainer dropped. A real wait is measured with a monotonic clock around a
+        blocking call and is never exactly 0, so only positive values count;
+        each received batch is then observed once.
+        """
+        seconds = getattr(release, "wait_seconds", 0.0)  # absent from stubs older than the field
+        if seconds > 0 and math.isfinite(seconds):
+            self._wait.labels(transport_name(transport)).observe(seconds)
+
+    def serve(self, host: str, port: int) -> str:
+        """Serve /metrics on ``host:port`` (a thread); returns the address bound."""
+        host = host.strip("[]") or "0.0.0.0"
+        try:
+            self._http, thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise OSError(f"cannot serve metrics on {host}:{port} (--metrics-port): "
+                          f"{e.strerror or e}") from None
+        self._thread = thread
+        bound = self._http.server_port
+        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        return self.address
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._thread.join()
+            self._http = None
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a tensor's dtype as named on the wire (numpy's names)."""
+    return np.dtype(dtype).itemsize
+
+
+class _LiveState(Collector):
+    """Gauges read from the live streams and the decode pool at scrape time."""
+
+    def __init__(self, pool):
+        self._pool = pool
+        self._streams: dict[object, str] = {}
+        self._lock = threading.Lock()
+
+    def add(self, stream, transport: str) -> None:
+        with self._lock:
+            self._streams[stream] = transport
+
+    def discard(self, stream) -> None:
+        with self._lock:
+            self._streams.pop(stream, None)
+
+    def collect(self):
+        with self._lock:
+            streams = list(self._streams.items())
+        active = dict.fromkeys(TRANSPORTS, 0)
+        leased = dict.fromkeys(TRANSPORTS, 0)
+        for stream, transport in streams:
+            active[transport] += 1
+            # len() of the ring's lease dict: atomic under the GIL, good enough for a gauge.
+            leased[transport] += stream.ring.leased()
+        yield _by_transport("gpufeed_active_streams", "Streams being served.", active)
+        yield _by_transport("gpufeed_slots_leased", "Ring slots leased to batches (being "
+                            "filled, or held by the trainer until it releases them).", leased)
+        if self._pool is not None:
+            yield GaugeMetricFamily("gpufeed_decode_queue_tasks", "Sample decodes waiting for "
+                                    "a decode thread.", value=self._pool.queued())
+            yield GaugeMetricFamily("gpufeed_decode_threads", "Decode threads shared by all "
+                                    "streams.", value=self._pool.threads)
+
+    def describe(self):
+        # Collision checks at registration only need the names, not live values.
+        return list(self.collect())
+
+
+def _by_transport(name: str, documentation: str, values: dict[str, int]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=["transport"])
+    for transport, value in values.items():
+        family.add_metric([transport], value)
+    return family

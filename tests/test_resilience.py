@@ -1,0 +1,197 @@
+"""Faults a long training run meets: restarts, drains, idle trainers, bad data, load, auth."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import pytest
+
+from gpufeed.client import FeedClient, FeedError
+from gpufeed.server.process import ServerProcess
+from gpufeed.v1 import feed_pb2, feed_pb2_grpc
+from support import shm_entries
+
+
+def _indices(loader) -> list[int]:
+    return [i for b in loader for i in b["index"].tolist()]
+
+
+def test_server_killed_and_restarted_mid_epoch_loses_and_repeats_nothing(data_dir, image_names):
+    files = image_names[:120]
+    first = ServerProcess(["--data-root", str(data_dir)]).start()
+    address = first.address
+    with FeedClient(address) as feed:
+        expected = _indices(feed.loader(files=files, batch_size=8, size=(16, 16), shuffle=True,
+                                        seed=9, prefetch=2))
+        loader = feed.loader(files=files, batch_size=8, size=(16, 16), shuffle=True, seed=9,
+                             prefetch=2, reconnect_timeout=60)
+        received, second = [], None
+        try:
+            for k, batch in enumerate(loader):
+                received += batch["index"].tolist()
+                if k == 4:
+                    first.proc.send_signal(signal.SIGKILL)
+                    first.proc.wait()
+                    second = ServerProcess(["--data-root", str(data_dir),
+                                            "--listen", address]).start()
+        finally:
+            if second is not None:
+                second.stop()
+            first.kill()
+    assert received == expected
+
+
+def test_server_gone_for_good_is_a_clear_error(data_dir, image_names):
+    server = ServerProcess(["--data-root", str(data_dir)]).start()
+    with FeedClient(server.address) as feed:
+        loader = feed.loader(files=image_names[:80], batch_size=8, size=(16, 16), prefetch=1,
+                             reconnect_timeout=1)
+        with pytest.raises(FeedError) as info:
+            for k, _ in enumerate(loader):
+                if k == 1:
+                    server.proc.send_signal(signal.SIGKILL)
+                    server.proc.wait()
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "gave up after 1 s" in str(info.value) and server.address in str(info.value)
+
+
+def test_sigterm_drains_open_streams_and_exits_zero(data_dir, image_names):
+    server = ServerProcess(["--data-root", str(data_dir), "--drain-seconds", "0.5"]).start()
+    before = shm_entries()
+    with FeedClient(server.address) as feed:
+        loader = feed.loader(files=image_names[:80], batch_size=8, size=(16, 16), prefetch=1,
+                             transport="shm", reconnect_timeout=0)
+        with pytest.raises(FeedError) as info:
+            for k, _ in enumerate(loader):
+                if k == 0:
+                    server.proc.send_signal(signal.SIGTERM)
+                    assert server.proc.wait(30) == 0  # the trainer idles: drain must end it
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert shm_entries() <= before
+
+
+def test_lease_timeout_ends_an_idle_stream(data_dir, image_names):
+    with ServerProcess(["--data-root", str(data_dir), "--lease-timeout", "0.5"]) as server, \
+            grpc.insecure_channel(server.address) as channel:
+        request = feed_pb2.StreamRequest(
+            files=feed_pb2.FileList(paths=image_names[:40]), batch_size=4, prefetch=1,
+            output=feed_pb2.OutputSpec(height=8, width=8), transport=feed_pb2.TRANSPORT_INLINE)
+        # Opens, never releases: the server fills both slots, then waits in vain.
+        call = feed_pb2_grpc.FeedStub(channel).Stream(iter([feed_pb2.ClientMessage(open=request)]))
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "lease timeout" in info.value.details() and "resume from batch 2" in info.value.details()
+
+
+def test_failure_budget_ends_the_stream_with_examples(feed, data_dir, image_names):
+    files = image_names[:20] + ["gone1.jpg", "gone2.jpg", "gone3.jpg"]
+    with pytest.raises(FeedError) as info:
+        _indices(feed.loader(files=files, batch_size=4, size=(8, 8), failure_budget=2))
+    assert info.value.code == grpc.StatusCode.DATA_LOSS
+    assert "3 samples failed" in str(info.value) and "sample 20: file not found" in str(info.value)
+    assert len(_indices(feed.loader(files=files, batch_size=4, size=(8, 8),
+                                    failure_budget=3))) == 20
+    assert len(_indices(feed.loader(files=files, batch_size=4, size=(8, 8),
+                                    failure_budget=0.2))) == 20
+
+
+_MANY_STREAMS_CLIENT = textwrap.dedent("""
+    import sys
+    from gpufeed.client import FeedClient
+    address, files = sys.argv[1], sys.argv[2:]
+    feed = FeedClient(address)
+    iterators = [iter(feed.loader(files=files, batch_size=2, size=(8, 8), transport="shm",
+                                  prefetch=1, copy=True)) for _ in range(8)]
+    firsts = [next(it)["index"].tolist() for it in iterators]  # every stream is open now
+    print("open", flush=True)
+    sys.stdin.readline()
+    for first, it in zip(firsts, iterators):
+        rest = [i for b in it for i in b["index"].tolist()]
+        assert sorted(first + rest) == list(range(len(files))), (first, rest)
+    print("ok", flush=True)
+""")
+
+
+def test_64_streams_from_8_processes_and_the_65th_refused(data_dir, image_names):
+    files = image_names[:12]
+    with ServerProcess(["--data-root", str(data_dir), "--max-streams", "64"]) as server:
+        procs = [subprocess.Popen([sys.executable, "-c", _MANY_STREAMS_CLIENT, server.address,
+                                   *files], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 for _ in range(8)]
+        try:
+            assert [p.stdout.readline().strip() for p in procs] == ["open"] * 8
+            with FeedClient(server.address) as feed, pytest.raises(FeedError) as info:
+                _indices(feed.loader(files=files, batch_size=2, size=(8, 8)))
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-streams 64" in str(info.value)
+            for p in procs:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            assert [p.stdout.readline().strip() for p in procs] == ["ok"] * 8
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    trustme = pytest.importorskip("trustme")
+    directory = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    ca.cert_pem.write_to_path(str(directory / "ca.pem"))
+    cert.private_key_pem.write_to_path(str(directory / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(directory / "cert.pem"))
+    (directory / "token").write_text("s3cret-token\n")
+    return directory
+
+
+def test_tls_and_token(data_dir, tls_files):
+    args = ["--data-root", str(data_dir), "--tls-cert", str(tls_files / "cert.pem"),
+            "--tls-key", str(tls_files / "key.pem"), "--token-file", str(tls_files / "token")]
+    with ServerProcess(args) as server:
+        credentials = grpc.ssl_channel_credentials((tls_files / "ca.pem").read_bytes())
+        for token in (None, "wrong"):
+            with FeedClient(server.address, credentials=credentials, token=token) as feed:
+                with pytest.raises(FeedError) as info:
+                    feed.info()
+                assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(FeedError) as info:
+                    _indices(feed.loader(files=["img0000.jpg"], batch_size=1, size=(8, 8)))
+                assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with FeedClient(server.address, credentials=credentials, token="s3cret-token") as feed:
+            assert feed.info().version
+            assert _indices(feed.loader(files=["img0000.jpg"], batch_size=1, size=(8, 8))) == [0]
+        with FeedClient(server.address, token="s3cret-token", connect_timeout=2) as plaintext:
+            with pytest.raises(FeedError):
+                plaintext.info()  # a TLS server does not speak plaintext
+
+
+_AUTO_CLIENT = textwrap.dedent("""
+    import sys
+    from gpufeed.client import FeedClient
+    loader = FeedClient(sys.argv[1]).loader(files=["img0000.jpg", "img0001.jpg"], batch_size=2,
+                                            size=(8, 8))
+    print([b["index"].tolist() for b in loader], loader.transport)
+""")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_auto_falls_back_to_inline_without_the_servers_shm(server):
+    """A trainer with its own /dev/shm (another container) cannot read the probe."""
+    script = f"mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} -c '{_AUTO_CLIENT}' " \
+             f"{server.address}"
+    result = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True,
+                            text=True, env=os.environ)
+    if result.returncode != 0 and "mount" in result.stderr + result.stdout:
+        pytest.skip(f"cannot make a private /dev/shm here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[[0, 1]] inline"
