@@ -26,7 +26,7 @@ from gpufeed.v1 import feed_pb2
 
 from .shm import map_segment
 
-__all__ = ["InlineBatches", "ShmBatches"]
+__all__ = ["HeldSlots", "InlineBatches", "ShmBatches"]
 
 _log = logging.getLogger(__name__)
 Release = Callable[[int], None]  # gives batch seq's slot back to the server
@@ -43,44 +43,67 @@ def _tensors(buffer: np.ndarray, metas) -> dict[str, torch.Tensor]:
 
 
 class InlineBatches:
-    owned = True  # the caller releases each batch's slot as soon as it has the tensors
+    release_at_once = True  # the loader releases each slot as soon as it has the tensors
 
     def make_room(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
         return _tensors(np.frombuffer(bytearray(batch.data), np.uint8), batch.tensors)
 
 
-class ShmBatches:
-    def __init__(self, header: feed_pb2.StreamHeader, release: Release, copy: bool):
-        self._memory = map_segment(header.shm_name, header.num_slots * header.slot_bytes)
-        self._slot_bytes = header.slot_bytes
-        self._num_slots = header.num_slots
+class HeldSlots:
+    """The zero-copy batches the trainer still holds, oldest first.
+
+    Each is released when its base array is garbage-collected. ``make_room``
+    runs before the loader waits for a batch: if held batches take every slot,
+    the server could never send another, so the oldest is released while still
+    referenced (with a warning, once) rather than deadlocking.
+    """
+
+    def __init__(self, num_slots: int, release: Release, what: str):
+        self._num_slots = num_slots
         self._release = release
-        self.owned = copy
+        self._what = what
         self._held: collections.deque[weakref.finalize] = collections.deque()
         self._warned = False
 
+    def hold(self, base, seq: int) -> None:
+        self._held.append(weakref.finalize(base, self._release, seq))
+
     def make_room(self) -> None:
-        """Before waiting for a batch: never let held batches take every slot."""
         while self._held and not self._held[0].alive:
             self._held.popleft()
         if len(self._held) >= self._num_slots:
             if not self._warned:
                 self._warned = True
                 _log.warning(
-                    "the trainer holds all %d shared-memory batches of this stream; the oldest "
-                    "is being reused while still referenced. Drop batches sooner, raise "
-                    "prefetch, or pass copy=True to keep them.", self._num_slots)
+                    "the trainer holds all %d %s batches of this stream; the oldest is being "
+                    "reused while still referenced. Drop batches sooner, raise prefetch, or "
+                    "pass copy=True to keep them.", self._num_slots, self._what)
             self._held.popleft()()
+
+
+class ShmBatches:
+    def __init__(self, header: feed_pb2.StreamHeader, release: Release, copy: bool):
+        self._memory = map_segment(header.shm_name, header.num_slots * header.slot_bytes)
+        self._slot_bytes = header.slot_bytes
+        self._held = HeldSlots(header.num_slots, release, "shared-memory")
+        self.make_room = self._held.make_room
+        self.release_at_once = copy
+
+    def close(self) -> None:
+        pass
 
     def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
         base = np.frombuffer(self._memory, np.uint8, count=self._slot_bytes,
                              offset=batch.slot * self._slot_bytes)
         tensors = _tensors(base, batch.tensors)
-        if self.owned:
+        if self.release_at_once:
             tensors = {name: t.clone() for name, t in tensors.items()}
         else:
-            self._held.append(weakref.finalize(base, self._release, batch.seq))
+            self._held.hold(base, batch.seq)
         return tensors

@@ -31,6 +31,14 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+def _sees_gpu(uuid: str) -> bool:
+    if not uuid:
+        return False
+    from .cuda_ipc import local_device
+
+    return local_device(uuid) is not None
+
+
 class FeedClient:
     """A connection to ``address`` ("host:port"). Use as a context manager or call close().
 
@@ -77,10 +85,14 @@ class FeedClient:
             info = self.info()
             same_shm = (feed_pb2.TRANSPORT_SHM in info.transports
                         and shares_shm(info.shm_probe.name, info.shm_probe.token))
-            self._auto = feed_pb2.TRANSPORT_SHM if same_shm else feed_pb2.TRANSPORT_INLINE
-            _log.info("transport auto -> %s (%s)", "shm" if same_shm else "inline",
-                      "shares the server's /dev/shm" if same_shm
-                      else "cannot see the server's /dev/shm probe")
+            if not same_shm:
+                self._auto, why = feed_pb2.TRANSPORT_INLINE, "cannot see the server's /dev/shm probe"
+            elif feed_pb2.TRANSPORT_CUDA_IPC in info.transports and _sees_gpu(info.gpu_uuid):
+                self._auto, why = feed_pb2.TRANSPORT_CUDA_IPC, f"same host and GPU {info.gpu_uuid}"
+            else:
+                self._auto, why = feed_pb2.TRANSPORT_SHM, "shares the server's /dev/shm"
+            _log.info("transport auto -> %s (%s)",
+                      feed_pb2.Transport.Name(self._auto).removeprefix("TRANSPORT_").lower(), why)
         return self._auto
 
     def loader(self, files: Sequence[str] | str, *, batch_size: int, size: tuple[int, int],

@@ -118,24 +118,35 @@ class Loader:
             if header.transport == feed_pb2.TRANSPORT_SHM:
                 batches = ShmBatches(header, release, self._copy)
                 outbox.put(feed_pb2.ClientMessage(attached=feed_pb2.Attached()))
+            elif header.transport == feed_pb2.TRANSPORT_CUDA_IPC:
+                from .cuda_ipc import CudaBatches
+
+                batches = CudaBatches(header, release, self._copy)
             else:
                 batches = InlineBatches()
-            while True:
-                batches.make_room()
-                waiting = time.perf_counter()
-                message = next(call, None)
-                waited = time.perf_counter() - waiting
-                if message is None:
-                    return
-                self._note_failures(message.batch)
-                tensors = batches.tensors(message.batch)
-                # Owned tensors give the slot back now; views give it back when dropped.
-                release(message.batch.seq if batches.owned else -1, waited)
-                self._consumed = message.batch.seq + 1
-                yield tensors
+            try:
+                yield from self._batches(call, batches, release)
+            finally:
+                batches.close()
         finally:
             call.cancel()
             outbox.put(None)
+
+    def _batches(self, call, batches, release) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches of one open stream, each releasing its slot (now, or when dropped)."""
+        while True:
+            batches.make_room()
+            waiting = time.perf_counter()
+            message = next(call, None)
+            waited = time.perf_counter() - waiting
+            if message is None:
+                return
+            self._note_failures(message.batch)
+            tensors = batches.tensors(message.batch)
+            # Owned tensors give the slot back now; views give it back when dropped.
+            release(message.batch.seq if batches.release_at_once else -1, waited)
+            self._consumed = message.batch.seq + 1
+            yield tensors
 
     def _note_failures(self, batch: feed_pb2.Batch) -> None:
         for failure in batch.failures:

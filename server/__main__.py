@@ -21,6 +21,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="directory requests may read from (repeatable)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="decode threads shared by all streams (default: cores, %(default)s)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda:N to assemble batches on that GPU and offer cuda_ipc "
+                        "(default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="port for Prometheus /metrics, on the --listen host (0: off)")
     p.add_argument("--max-streams", type=int, default=64, help="concurrent streams (default %(default)s)")
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--tls-client-ca needs --tls-cert and --tls-key")
     try:
         config = ServerConfig(
-            data_roots=args.data_root, listen=args.listen, threads=args.threads,
+            data_roots=args.data_root, listen=args.listen, threads=args.threads, device=args.device,
             metrics_port=args.metrics_port, max_streams=args.max_streams,
             limits=Limits(max_prefetch=args.max_prefetch, max_batch_bytes=args.max_batch_bytes,
                           max_samples=args.max_samples, lease_timeout=args.lease_timeout),

@@ -40,6 +40,8 @@ class ServerConfig:
     data_roots: list[str]
     listen: str = "0.0.0.0:50051"
     threads: int = field(default_factory=default_threads)
+    # "cpu", or "cuda:N" to assemble batches on that GPU and offer cuda_ipc.
+    device: str = "cpu"
     metrics_port: int = 0
     max_streams: int = 64
     limits: Limits = field(default_factory=Limits)
@@ -70,6 +72,11 @@ class FeedServer:
     def __init__(self, config: ServerConfig):
         self.config = config
         self._roots = DataRoots(config.data_roots)
+        device = None
+        if config.device != "cpu":
+            from .cuda_ipc import check_device
+
+            device = check_device(config.device)
         self._shm = ShmNamespace()
         self._pool = DecodePool(config.threads)
         self.metrics = ServerMetrics(self._pool)
@@ -81,7 +88,7 @@ class FeedServer:
             interceptors=[TokenInterceptor(config.token)] if config.token else [],
         )
         self.servicer = FeedServicer(self._roots, self._pool, self._shm, config.limits,
-                                     config.max_streams, self.metrics)
+                                     config.max_streams, self.metrics, device)
         feed_pb2_grpc.add_FeedServicer_to_server(self.servicer, self._grpc)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)

@@ -35,8 +35,10 @@ _INLINE_ALIGN = 64
 
 class FeedServicer(feed_pb2_grpc.FeedServicer):
     def __init__(self, roots: DataRoots, pool: DecodePool, shm: ShmNamespace,
-                 limits: Limits, max_streams: int, metrics: ServerMetrics | None = None):
+                 limits: Limits, max_streams: int, metrics: ServerMetrics | None = None,
+                 device=None):
         self._roots = roots
+        self._device = device  # a torch.device for cuda:N; None on a CPU server
         self._metrics = metrics if metrics is not None else ServerMetrics(pool)
         self._pool = pool
         self._shm = shm
@@ -47,11 +49,18 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         self._draining = False
         self._lock = threading.Condition()
         self.transports = (feed_pb2.TRANSPORT_INLINE, feed_pb2.TRANSPORT_SHM)
+        self._gpu_uuid = ""
+        if device is not None:
+            from .cuda_ipc import gpu_uuid
+
+            self.transports += (feed_pb2.TRANSPORT_CUDA_IPC,)
+            self._gpu_uuid = gpu_uuid(device)
 
     def Info(self, request, context):
         return feed_pb2.InfoResponse(
             version=gpufeed.__version__,
-            devices=["cpu"],
+            devices=[str(self._device or "cpu")],
+            gpu_uuid=self._gpu_uuid,
             transports=self.transports,
             data_roots=self._roots.roots,
             shm_probe=feed_pb2.ShmProbe(name=self._shm.probe.name, token=self._shm.probe_token),
@@ -101,8 +110,17 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
 
     def _serve(self, plan: StreamPlan, request_iterator, context):
         slots_bytes = plan.num_slots * plan.layout.slot_bytes
-        segment = self._shm.create(slots_bytes) if plan.transport == feed_pb2.TRANSPORT_SHM else None
-        buffer = segment.buffer if segment else bytearray(slots_bytes)
+        segment = device_ring = None
+        if plan.transport == feed_pb2.TRANSPORT_SHM:
+            segment = self._shm.create(slots_bytes)
+            buffer = segment.buffer
+        elif plan.transport == feed_pb2.TRANSPORT_CUDA_IPC:
+            from .cuda_ipc import DeviceRing
+
+            device_ring = DeviceRing(self._device, plan.num_slots, plan.layout.slot_bytes)
+            buffer = device_ring.host_buffer()
+        else:
+            buffer = bytearray(slots_bytes)
         stream = Stream(plan, self._roots, self._pool, buffer, self._metrics)
         context.add_callback(stream.cancel)
         reader = threading.Thread(target=_read_client, name="gpufeed-client-reader",
@@ -120,12 +138,17 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 slot_bytes=plan.layout.slot_bytes,
                 num_samples=plan.num_samples,
                 num_batches=len(plan.batches) - plan.start_batch,
+                cuda_ipc=device_ring.export if device_ring else None,
             ))
             for batch in stream.published():
+                if device_ring is not None:
+                    device_ring.publish(batch.slot)
                 message = feed_pb2.ServerMessage(batch=_batch_message(batch, plan))
                 sending = time.perf_counter()
                 yield message  # returns once gRPC has taken the message
                 self._metrics.sent(plan.transport, message, time.perf_counter() - sending)
+            if segment is not None:
+                stream.wait_attached()
         except StreamCancelled as e:
             if e.code is not None:
                 context.abort(e.code, e.message)
@@ -144,15 +167,17 @@ def _read_client(request_iterator, stream: Stream, segment) -> None:
         for message in request_iterator:
             kind = message.WhichOneof("kind")
             if kind == "release":
+                # Before the slot goes back: the batch it unblocks may be the stream's last.
+                stream.metrics.released(stream.plan.transport, message.release)
                 try:
                     stream.release(message.release.seqs)
                 except KeyError as e:
                     stream.cancel(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"release: batch {e.args[0]} holds no slot of this stream")
                     return
-                stream.metrics.released(stream.plan.transport, message.release)
             elif kind == "attached" and segment is not None:
                 segment.unlink()
+                stream.attach()
     except grpc.RpcError:
         pass  # the call ended; the handler cleans up
     except Exception:

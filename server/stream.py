@@ -113,6 +113,7 @@ class Stream:
         self.ring = SlotRing(buffer, plan.num_slots, plan.layout.slot_bytes)
         self.cond = threading.Condition()
         self.cancelled = False
+        self.attached = False
         self._ending = StreamCancelled()
         self._last_release = time.monotonic()
         self._pool = pool
@@ -135,6 +136,21 @@ class Stream:
             if seqs:
                 self._last_release = time.monotonic()
             self._start_ready()
+
+    def attach(self) -> None:
+        """The client has mapped the stream's shared memory."""
+        with self.cond:
+            self.attached = True
+            self.cond.notify_all()
+
+    def wait_attached(self) -> None:
+        """Until the client has mapped the memory (or is gone, or idle past the lease timeout).
+
+        A short stream can be sent in full before the client maps its segment:
+        ending the call would unlink the name the client is about to open.
+        """
+        with self.cond:
+            self.cond.wait_for(lambda: self.attached or self.cancelled, self.plan.lease_timeout)
 
     def cancel(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
         """End the stream; ``published()`` raises StreamCancelled(code, message)."""

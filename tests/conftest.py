@@ -46,3 +46,15 @@ def feed(server):
 
     with FeedClient(server.address) as client:
         yield client
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` run only where torch sees a CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -27,6 +27,14 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
 
 
-def shm_entries() -> set[str]:
-    """gpufeed's stream segments in /dev/shm (not the servers' probes)."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith("gpufeed-") and not n.endswith("-probe")}
+def shm_prefix(address: str) -> str:
+    """The prefix of every /dev/shm name of the server at ``address`` (from its probe's name)."""
+    from gpufeed.client import FeedClient
+
+    with FeedClient(address) as feed:
+        return feed.info().shm_probe.name.removesuffix("probe")
+
+
+def stream_segments(prefix: str) -> set[str]:
+    """The stream segments (not the probe) that a server with ``prefix`` has in /dev/shm."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix) and not n.endswith("probe")}

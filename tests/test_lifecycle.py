@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gpufeed.client import FeedClient
 from gpufeed.server.process import ServerProcess
-from support import shm_entries
+from support import shm_prefix, stream_segments
 
 # A trainer that opens a shm stream with raw gRPC, prints the segment name and
 # then stops reading without ever attaching or releasing: the worst client.
@@ -71,23 +71,22 @@ def _serves(address: str, files: list[str]) -> list[int]:
 
 @pytest.mark.parametrize("script", [_SILENT_CLIENT, _LIBRARY_CLIENT], ids=["silent", "library"])
 def test_killed_client_leaves_nothing_and_server_serves_on(server, image_names, script):
-    before = shm_entries()
+    prefix = shm_prefix(server.address)
     proc, line = _start_client(script, server.address, image_names[:40])
     if script is _SILENT_CLIENT:
-        assert line in shm_entries()  # not attached yet: the server still holds the name
+        assert stream_segments(prefix) == {line}  # not attached: the server still holds the name
     proc.kill()
     proc.wait()
-    assert _wait_until(lambda: shm_entries() <= before), shm_entries() - before
+    assert _wait_until(lambda: not stream_segments(prefix)), stream_segments(prefix)
     assert _serves(server.address, image_names[:8]) == list(range(8))
 
 
 def test_sigterm_stops_the_server_cleanly(data_dir):
     server = ServerProcess(["--data-root", str(data_dir)]).start()
-    probes_before = {n for n in os.listdir("/dev/shm") if n.endswith("-probe")}
+    prefix = shm_prefix(server.address)
     assert _serves(server.address, ["img0000.jpg"]) == [0]
     assert server.stop() == 0
-    probes_after = {n for n in os.listdir("/dev/shm") if n.endswith("-probe")}
-    assert len(probes_before - probes_after) == 1  # its own probe is gone
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]  # probe gone too
 
 
 def test_next_server_removes_what_a_killed_one_left(data_dir, image_names):
@@ -97,9 +96,10 @@ def test_next_server_removes_what_a_killed_one_left(data_dir, image_names):
     victim.proc.wait()
     proc.kill()
     proc.wait()
-    assert segment in shm_entries()  # SIGKILL left it behind
+    prefix = segment[:segment.rindex("-") + 1]
+    assert stream_segments(prefix) == {segment}  # SIGKILL left it behind
     with ServerProcess(["--data-root", str(data_dir)]) as successor:
-        assert segment not in shm_entries()
+        assert not stream_segments(prefix)
         assert _serves(successor.address, ["img0000.jpg"]) == [0]
 
 

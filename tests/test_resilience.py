@@ -15,7 +15,7 @@ import pytest
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
-from support import shm_entries
+from support import shm_prefix, stream_segments
 
 
 def _indices(loader) -> list[int]:
@@ -63,7 +63,7 @@ def test_server_gone_for_good_is_a_clear_error(data_dir, image_names):
 
 def test_sigterm_drains_open_streams_and_exits_zero(data_dir, image_names):
     server = ServerProcess(["--data-root", str(data_dir), "--drain-seconds", "0.5"]).start()
-    before = shm_entries()
+    prefix = shm_prefix(server.address)
     with FeedClient(server.address) as feed:
         loader = feed.loader(files=image_names[:80], batch_size=8, size=(16, 16), prefetch=1,
                              transport="shm", reconnect_timeout=0)
@@ -73,7 +73,7 @@ def test_sigterm_drains_open_streams_and_exits_zero(data_dir, image_names):
                     server.proc.send_signal(signal.SIGTERM)
                     assert server.proc.wait(30) == 0  # the trainer idles: drain must end it
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
-    assert shm_entries() <= before
+    assert not stream_segments(prefix) and not os.path.exists(f"/dev/shm/{prefix}probe")
 
 
 def test_lease_timeout_ends_an_idle_stream(data_dir, image_names):
@@ -84,8 +84,11 @@ def test_lease_timeout_ends_an_idle_stream(data_dir, image_names):
             output=feed_pb2.OutputSpec(height=8, width=8), transport=feed_pb2.TRANSPORT_INLINE)
         # Opens, never releases: the server fills both slots, then waits in vain.
         call = feed_pb2_grpc.FeedStub(channel).Stream(iter([feed_pb2.ClientMessage(open=request)]))
+        received = []
         with pytest.raises(grpc.RpcError) as info:
-            list(call)
+            for message in call:
+                received.append(message.WhichOneof("kind"))
+    assert received == ["header", "batch", "batch"]  # credits: prefetch 1 + the held one
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "lease timeout" in info.value.details() and "resume from batch 2" in info.value.details()
 

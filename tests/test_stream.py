@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from support import MIN_PSNR_DB, psnr, reference_decode, shm_entries
+from support import MIN_PSNR_DB, psnr, reference_decode, shm_prefix, stream_segments
 
 TRANSPORTS = ["inline", "shm"]
 
@@ -143,12 +143,12 @@ def test_copy_gives_owned_tensors(feed, data_dir, image_names):
     assert psnr(held[0]["image"][0].numpy(), ref) >= MIN_PSNR_DB
 
 
-def test_no_segment_left_after_a_pass(feed, image_names):
-    before = shm_entries()
+def test_no_segment_left_after_a_pass(feed, server, image_names):
+    prefix = shm_prefix(server.address)
     loader = feed.loader(files=image_names[:20], batch_size=4, size=(16, 16), transport="shm")
     for _ in loader:
-        assert shm_entries() == before  # unlinked as soon as the client mapped it
-    assert shm_entries() == before
+        assert stream_segments(prefix) == set()  # unlinked as soon as the client mapped it
+    assert stream_segments(prefix) == set()
 
 
 def test_auto_picks_shm_on_the_same_host(feed, image_names):
@@ -172,3 +172,10 @@ def test_resume_from_state_dict(feed, image_names):
     resumed.load_state_dict(state)
     assert [b["index"].tolist() for b in resumed] == full[3:]
     assert np.array_equal(sorted(i for b in full for i in b), np.arange(60))
+
+
+def test_short_shm_streams_are_mapped_before_the_server_lets_go(feed, image_names):
+    """A stream shorter than its ring is sent whole at once; its segment must outlive that."""
+    for _ in range(20):
+        loader = feed.loader(files=image_names[:3], batch_size=1, size=(8, 8), transport="shm")
+        assert [i for b in loader for i in b["index"].tolist()] == [0, 1, 2]

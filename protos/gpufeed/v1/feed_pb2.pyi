@@ -23,20 +23,22 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "devices", "transports", "data_roots", "shm_probe", "decode_threads")
+    __slots__ = ("version", "devices", "transports", "data_roots", "shm_probe", "decode_threads", "gpu_uuid")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     DATA_ROOTS_FIELD_NUMBER: _ClassVar[int]
     SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
     DECODE_THREADS_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     version: str
     devices: _containers.RepeatedScalarFieldContainer[str]
     transports: _containers.RepeatedScalarFieldContainer[Transport]
     data_roots: _containers.RepeatedScalarFieldContainer[str]
     shm_probe: ShmProbe
     decode_threads: int
-    def __init__(self, version: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., data_roots: _Optional[_Iterable[str]] = ..., shm_probe: _Optional[_Union[ShmProbe, _Mapping]] = ..., decode_threads: _Optional[int] = ...) -> None: ...
+    gpu_uuid: str
+    def __init__(self, version: _Optional[str] = ..., devices: _Optional[_Iterable[str]] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., data_roots: _Optional[_Iterable[str]] = ..., shm_probe: _Optional[_Union[ShmProbe, _Mapping]] = ..., decode_threads: _Optional[int] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class ShmProbe(_message.Message):
     __slots__ = ("name", "token")
@@ -129,20 +131,44 @@ class ServerMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("transport", "shm_name", "num_slots", "slot_bytes", "num_samples", "num_batches")
+    __slots__ = ("transport", "shm_name", "num_slots", "slot_bytes", "num_samples", "num_batches", "cuda_ipc")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     shm_name: str
     num_slots: int
     slot_bytes: int
     num_samples: int
     num_batches: int
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., shm_name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_batches: _Optional[int] = ...) -> None: ...
+    cuda_ipc: CudaIpc
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., shm_name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_batches: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ...) -> None: ...
+
+class CudaIpc(_message.Message):
+    __slots__ = ("gpu_uuid", "storage_handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "slot_events")
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    SLOT_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    gpu_uuid: str
+    storage_handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    slot_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, gpu_uuid: _Optional[str] = ..., storage_handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., slot_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset")
