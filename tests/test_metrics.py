@@ -1,0 +1,321 @@
+"""Metrics, checked against what a real client received and with Prometheus's own tools.
+
+The server runs as a real subprocess with ``--metrics-port``; the figures on
+/metrics must equal what FeedClient got, promtool must accept the exposition,
+and Debian's real ``prometheus`` binary must scrape the live server and answer
+the samples counter (and every dashboard query) through its HTTP API.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpufeed.client import FeedClient
+from gpufeed.server.demo import encode_jpeg, synthetic_photo
+from gpufeed.server.metrics import STAGES, ServerMetrics, failure_reason
+from gpufeed.server.process import ServerProcess
+from gpufeed.v1 import feed_pb2
+
+_ROOT = Path(__file__).resolve().parents[1]
+_DASHBOARD = _ROOT / "docker" / "grafana" / "dashboards" / "gpufeed.json"
+_METRICS_LINE = re.compile(r"gpufeed-server metrics on http://(\S+)/metrics")
+_DEADLINE = 60.0  # seconds any bounded poll may take before the test fails
+
+# 12 samples in batches of 2: a corrupt file in batch 1, a missing one in batch 3,
+# so every batch keeps a row and both failure categories appear. With prefetch 1
+# (two slots) the server must read the client's releases to go past batch 1, so
+# it cannot finish, and drop the stream's memory, before the client has mapped it.
+_BATCH = 2
+_PREFETCH = 1
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    for i in range(10):
+        (root / f"{i}.jpg").write_bytes(encode_jpeg(synthetic_photo(rng, 40, 56)))
+    (root / "bad.jpg").write_bytes(b"\xff\xd8\xff not really a jpeg")
+    return root
+
+
+def _files() -> list[str]:
+    good = [f"{i}.jpg" for i in range(10)]
+    return good[:3] + ["bad.jpg"] + good[3:6] + ["missing.jpg"] + good[6:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(data_root: Path, *extra: str) -> tuple[ServerProcess, str]:
+    """A running server with metrics on a free port; returns it and the logged metrics address.
+
+    The port is picked by binding port 0 and closing it, so another process may
+    take it first: then the server exits saying so, and we try another port.
+    """
+    for _ in range(3):
+        server = ServerProcess(["--data-root", str(data_root), "--threads", "2",
+                                "--metrics-port", str(_free_port()), *extra])
+        try:
+            server.start()
+        except RuntimeError as e:
+            if "cannot serve metrics" in str(e):
+                continue
+            raise
+        match = next(filter(None, map(_METRICS_LINE.search, server.log)), None)
+        assert match, "no metrics line before the ready line:\n" + "".join(server.log)
+        return server, match.group(1)
+    raise RuntimeError("no free metrics port after 3 tries")
+
+
+def _scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        return reply.read().decode()
+
+
+def _values(text: str) -> dict[tuple[str, frozenset], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    return _values(text)[(name, frozenset(labels.items()))]
+
+
+def _run_pass(client: FeedClient, data_root: Path, transport: str) -> dict:
+    """One full pass; what the client received, counted on the client side."""
+    loader = client.loader(_files(), prefix=f"{data_root}/", batch_size=_BATCH, size=(32, 32),
+                           transport=transport, prefetch=_PREFETCH)
+    got = {"samples": 0, "batches": 0, "bytes": 0}
+    for batch in loader:
+        got["samples"] += len(batch["index"])
+        got["batches"] += 1
+        got["bytes"] += sum(t.numel() * t.element_size() for t in batch.values())
+    assert loader.transport == transport
+    got["failures"] = sorted(failure_reason(reason) for _, reason in loader.failures)
+    return got
+
+
+def test_counters_equal_what_the_client_received(data_root):
+    server, metrics = _start_server(data_root)
+    with server, FeedClient(server.address) as client:
+        received = {t: _run_pass(client, data_root, t) for t in ("inline", "shm")}
+        text = _scrape(metrics)
+
+    for transport, got in received.items():
+        # The pass really exercised both failure kinds, so the checks below mean something.
+        assert got["failures"] == ["decode_error", "not_found"]
+        assert got["samples"] == 10 and got["batches"] == 6
+        assert _value(text, "gpufeed_samples_total", transport=transport) == got["samples"]
+        assert _value(text, "gpufeed_batches_total", transport=transport) == got["batches"]
+        assert _value(text, "gpufeed_batch_bytes_total", transport=transport) == got["bytes"]
+        assert _value(text, "gpufeed_streams_total", transport=transport) == 1
+        assert _value(text, "gpufeed_active_streams", transport=transport) == 0
+        assert _value(text, "gpufeed_slots_leased", transport=transport) == 0
+    # inline messages carry the tensors; shm messages only their metadata.
+    assert (_value(text, "gpufeed_message_bytes_total", transport="inline")
+            > received["inline"]["bytes"]
+            > _value(text, "gpufeed_message_bytes_total", transport="shm") > 0)
+    assert _value(text, "gpufeed_samples_total", transport="cuda_ipc") == 0
+    assert _value(text, "gpufeed_sample_failures_total", reason="decode_error") == 2
+    assert _value(text, "gpufeed_sample_failures_total", reason="not_found") == 2
+    assert _value(text, "gpufeed_sample_failures_total", reason="read_error") == 0
+
+    stage_count = {s: _value(text, "gpufeed_stage_duration_seconds_count", stage=s) for s in STAGES}
+    assert stage_count == {"read": 24, "decode": 22, "batch": 12, "device_copy": 0, "send": 12}
+    assert _value(text, "gpufeed_stage_duration_seconds_bucket", stage="send", le="+Inf") == 12
+    assert _value(text, "gpufeed_decode_queue_tasks") == 0
+    assert _value(text, "gpufeed_decode_threads") == 2
+
+
+def test_active_streams_and_leased_slots_follow_an_open_stream(data_root):
+    server, metrics = _start_server(data_root)
+    with server, FeedClient(server.address) as client:
+        loader = client.loader(_files(), prefix=f"{data_root}/", batch_size=_BATCH,
+                               size=(32, 32), transport="shm", prefetch=_PREFETCH)
+        batches = iter(loader)
+        held = next(batches)
+        # The trainer holds batch 0's slot; batch 1 has the other. The server
+        # cannot go on without a release, so the stream is still open.
+        text = _scrape(metrics)
+        assert _value(text, "gpufeed_active_streams", transport="shm") == 1
+        assert _value(text, "gpufeed_active_streams", transport="inline") == 0
+        assert _value(text, "gpufeed_slots_leased", transport="shm") == _PREFETCH + 1
+        del held
+        batches.close()  # the client cancels the call; the server frees the stream
+        _poll(lambda: _value(_scrape(metrics), "gpufeed_active_streams", transport="shm") == 0,
+              "active streams back to 0 after the client went away")
+        assert _value(_scrape(metrics), "gpufeed_slots_leased", transport="shm") == 0
+
+
+def test_promtool_accepts_the_exposition(data_root):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (.ci/test installs Debian's prometheus)")
+    server, metrics = _start_server(data_root)
+    with server, FeedClient(server.address) as client:
+        _run_pass(client, data_root, "inline")
+        text = _scrape(metrics)
+    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_taken_metrics_port_fails_start_up_with_a_clear_message(data_root):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = ServerProcess(["--data-root", str(data_root),
+                                "--metrics-port", str(taken.getsockname()[1])])
+        with pytest.raises(RuntimeError, match="cannot serve metrics on 127.0.0.1"):
+            server.start()
+        assert server.proc.wait(30) == 2
+
+
+def test_each_server_owns_its_registry():
+    first, second = ServerMetrics(), ServerMetrics()  # the global registry would refuse this
+    first.sent(feed_pb2.TRANSPORT_INLINE, _one_sample_message(), 0.001)
+    assert first.registry.get_sample_value("gpufeed_batches_total", {"transport": "inline"}) == 1
+    assert second.registry.get_sample_value("gpufeed_batches_total", {"transport": "inline"}) == 0
+
+
+def test_trainer_wait_counts_only_reported_waits():
+    metrics = ServerMetrics()
+    # 0 is proto3's "not set": an old client, or a Release that only returns a dropped slot.
+    metrics.released(feed_pb2.TRANSPORT_SHM, feed_pb2.Release(seqs=[0]))
+    metrics.released(feed_pb2.TRANSPORT_SHM, feed_pb2.Release(seqs=[1], wait_seconds=0.0))
+    metrics.released(feed_pb2.TRANSPORT_SHM, feed_pb2.Release(seqs=[], wait_seconds=0.25))
+    metrics.released(feed_pb2.TRANSPORT_SHM, feed_pb2.Release(seqs=[2], wait_seconds=0.5))
+    get = metrics.registry.get_sample_value
+    assert get("gpufeed_trainer_wait_seconds_count", {"transport": "shm"}) == 2
+    assert get("gpufeed_trainer_wait_seconds_sum", {"transport": "shm"}) == 0.75
+    assert get("gpufeed_trainer_wait_seconds_count", {"transport": "inline"}) == 0
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_trainer_wait_arrives_from_the_real_client(data_root, transport):
+    """One reported wait per batch the client received. The server must read the
+    releases of all but the last two batches (it has two slots); those two may
+    reach it after it ended the call, hence the range."""
+    server, metrics = _start_server(data_root)
+    with server, FeedClient(server.address) as client:
+        got = _run_pass(client, data_root, transport)
+        text = _scrape(metrics)
+    waits = _value(text, "gpufeed_trainer_wait_seconds_count", transport=transport)
+    assert got["batches"] - 2 <= waits <= got["batches"]
+    assert _value(text, "gpufeed_trainer_wait_seconds_sum", transport=transport) > 0
+
+
+def test_failure_reasons_are_categories_not_messages():
+    assert failure_reason("file not found") == "not_found"
+    assert failure_reason("permission denied: [Errno 13] /data/x.jpg") == "permission_denied"
+    assert failure_reason("read error: Input/output error") == "read_error"
+    assert failure_reason("not a decodable image: whatever FFmpeg said") == "decode_error"
+
+
+def test_prometheus_scrapes_the_live_server(data_root, tmp_path):
+    """Debian's real prometheus scrapes the server; its API returns the client's count,
+    and evaluates every query of the Grafana dashboard without error."""
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("Debian's prometheus is not installed (.ci/test installs it with apt-get)")
+    server, metrics = _start_server(data_root)
+    with server, FeedClient(server.address) as client:
+        got = _run_pass(client, data_root, "inline")
+        api = _start_prometheus(prometheus, metrics, tmp_path)
+        try:
+            query = 'gpufeed_samples_total{transport="inline",job="gpufeed"}'
+            _poll(lambda: _query_values(api.address, query) == [got["samples"]],
+                  f"prometheus to report {query} == {got['samples']}", api.process)
+            for expr in _dashboard_exprs():
+                reply = _api(api.address, expr.replace("$__rate_interval", "1m"))
+                assert reply["status"] == "success", (expr, reply)
+        finally:
+            api.stop()
+
+
+class _Prometheus:
+    def __init__(self, process: subprocess.Popen, address: str, log: Path):
+        self.process, self.address, self.log = process, address, log
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _start_prometheus(binary: str, target: str, tmp_path: Path) -> _Prometheus:
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n"
+        "scrape_configs:\n  - job_name: gpufeed\n"
+        f"    static_configs:\n      - targets: [\"{target}\"]\n")
+    address = f"127.0.0.1:{_free_port()}"
+    log = tmp_path / "prometheus.log"
+    process = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address={address}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    return _Prometheus(process, address, log)
+
+
+def _api(address: str, query: str) -> dict:
+    url = f"http://{address}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return json.load(reply)
+    except urllib.error.HTTPError as e:  # 400/422 carry the error as JSON
+        return json.load(e)
+
+
+def _query_values(address: str, query: str) -> list[float] | None:
+    try:
+        reply = _api(address, query)
+    except OSError:  # not listening yet
+        return None
+    return [float(r["value"][1]) for r in reply.get("data", {}).get("result", [])]
+
+
+def _poll(condition, what: str, process: subprocess.Popen | None = None) -> None:
+    """Wait for ``condition()`` with a deadline; fail saying what never happened."""
+    deadline = time.monotonic() + _DEADLINE
+    while not condition():
+        if process is not None and process.poll() is not None:
+            pytest.fail(f"prometheus exited ({process.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {_DEADLINE:g} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def _dashboard_exprs() -> list[str]:
+    dashboard = json.loads(_DASHBOARD.read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def _one_sample_message() -> feed_pb2.ServerMessage:
+    batch = feed_pb2.Batch(seq=0)
+    batch.tensors.add(name="index", dtype="int64", shape=[1])
+    return feed_pb2.ServerMessage(batch=batch)
