@@ -1,16 +1,19 @@
-"""The decode pool: threads shared by every open stream.
+"""The decode pool: threads shared by every open stream, served in turn.
 
-Each thread owns one ``ImageDecoder`` (so one codec context per thread) and
-runs tasks from a single FIFO queue. A task is ``(job, row)``: decode one
-sample into one row of a batch. Python work per task is a queue hand-off and a
-counter; the decode and scale themselves run inside FFmpeg without the GIL.
+Each thread owns one ``ImageDecoder`` (so one codec context per thread). Work
+is queued per stream, and threads take one row at a time from the streams in
+round-robin order: a stream with many batches queued (a large prefetch) gets
+the same share of decode as a stream with one, so it cannot starve it. Within
+a stream, rows are taken in the order they were submitted, so its earliest
+batch completes first. Python work per row is a lock and a few deque
+operations; the decode and scale themselves run inside FFmpeg without the GIL.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+from collections import deque
 from typing import Protocol
 
 from .decode import ImageDecoder
@@ -27,29 +30,55 @@ class RowTask(Protocol):
 class DecodePool:
     def __init__(self, threads: int):
         self.threads = threads
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._queues: dict[object, deque[tuple[RowTask, int]]] = {}
+        self._turns: deque[object] = deque()  # streams with queued rows, next first
+        self._closed = False
         self._workers = [threading.Thread(target=self._work, name=f"gpufeed-decode-{i}",
                                           daemon=True) for i in range(threads)]
         for worker in self._workers:
             worker.start()
 
-    def submit(self, job: RowTask, rows: range) -> None:
-        for row in rows:
-            self._tasks.put((job, row))
+    def submit(self, owner: object, task: RowTask, rows: range) -> None:
+        """Queue ``task.decode_row(row)`` for each row, on ``owner``'s (a stream's) queue."""
+        with self._cond:
+            queue = self._queues.get(owner)
+            if queue is None:
+                queue = self._queues[owner] = deque()
+                self._turns.append(owner)
+            queue.extend((task, row) for row in rows)
+            self._cond.notify(len(rows))
 
     def queued(self) -> int:
         """Rows waiting for a decode thread (the decode queue occupancy metric)."""
-        return self._tasks.qsize()
+        with self._cond:
+            return sum(len(queue) for queue in self._queues.values())
 
     def close(self) -> None:
-        for _ in self._workers:
-            self._tasks.put(None)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         for worker in self._workers:
             worker.join()
 
+    def _next(self) -> tuple[RowTask, int] | None:
+        with self._cond:
+            while not self._turns:
+                if self._closed:
+                    return None
+                self._cond.wait()
+            owner = self._turns.popleft()
+            queue = self._queues[owner]
+            task = queue.popleft()
+            if queue:
+                self._turns.append(owner)
+            else:
+                del self._queues[owner]
+            return task
+
     def _work(self) -> None:
         decoder = ImageDecoder()
-        while (task := self._tasks.get()) is not None:
+        while (task := self._next()) is not None:
             job, row = task
             try:
                 job.decode_row(row, decoder)

@@ -86,6 +86,9 @@ class SlotRing:
     def leased(self) -> int:
         return len(self._leased)
 
+    def free_slots(self) -> int:
+        return len(self._free)
+
     def slot(self, index: int) -> np.ndarray:
         start = index * self.slot_bytes
         return self._memory[start:start + self.slot_bytes]

@@ -23,6 +23,7 @@ from .metrics import ServerMetrics
 from .paths import DataRoots
 from .pool import DecodePool
 from .request import Limits, RequestError, StreamPlan, plan_stream
+from .jobs import JobRegistry, SharedJob
 from .shm import ShmNamespace
 from .stream import Batch, Stream, StreamCancelled
 
@@ -47,6 +48,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         self._streams: set[Stream] = set()
         self._open_streams = 0  # counted from admission, before their Stream exists
         self._draining = False
+        self._jobs = JobRegistry()
         self._lock = threading.Condition()
         self.transports = (feed_pb2.TRANSPORT_INLINE, feed_pb2.TRANSPORT_SHM)
         self._gpu_uuid = ""
@@ -74,13 +76,14 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                           "the first message of a stream must be `open` with the request")
         try:
             plan = plan_stream(first.open, self._roots, self._limits, self.transports)
+            job = self._jobs.join(first.open, plan) if first.open.job else None
         except RequestError as e:
             context.abort(e.code, str(e))
         refusal = self._enter()
         if refusal is not None:
             context.abort(*refusal)
         try:
-            yield from self._serve(plan, request_iterator, context)
+            yield from self._serve(plan, job, request_iterator, context)
         finally:
             with self._lock:
                 self._open_streams -= 1
@@ -108,7 +111,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             self._open_streams += 1
             return None
 
-    def _serve(self, plan: StreamPlan, request_iterator, context):
+    def _serve(self, plan: StreamPlan, job: SharedJob | None, request_iterator, context):
         slots_bytes = plan.num_slots * plan.layout.slot_bytes
         segment = device_ring = None
         if plan.transport == feed_pb2.TRANSPORT_SHM:
@@ -121,7 +124,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             buffer = device_ring.host_buffer()
         else:
             buffer = bytearray(slots_bytes)
-        stream = Stream(plan, self._roots, self._pool, buffer, self._metrics)
+        stream = Stream(plan, self._roots, self._pool, buffer, self._metrics, source=job)
+        if job is not None:
+            job.add_consumer(stream.wake)
         context.add_callback(stream.cancel)
         reader = threading.Thread(target=_read_client, name="gpufeed-client-reader",
                                   args=(request_iterator, stream, segment), daemon=True)
@@ -136,8 +141,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 shm_name=segment.name if segment else "",
                 num_slots=plan.num_slots,
                 slot_bytes=plan.layout.slot_bytes,
-                num_samples=plan.num_samples,
-                num_batches=len(plan.batches) - plan.start_batch,
+                num_samples=0 if job else plan.num_samples,
+                num_batches=0 if job else len(plan.batches) - plan.start_batch,
                 cuda_ipc=device_ring.export if device_ring else None,
             ))
             for batch in stream.published():
@@ -157,6 +162,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 self._streams.discard(stream)
             self._metrics.closed(stream)
             stream.close()
+            if job is not None:
+                job.remove_consumer(stream.wake)
             if segment is not None:
                 segment.close()
 

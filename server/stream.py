@@ -1,7 +1,8 @@
 """One open stream: decode its batches into ring slots and publish them in order.
 
 Batches start in order, each as soon as a slot is free (at open, then on every
-release); their rows go to the shared decode pool and may finish in any order.
+release), taken from the stream's source (its own pass, or a shared job's, see
+jobs.py); their rows go to the shared decode pool and may finish in any order.
 ``published()`` hands batches out strictly by seq, so a batch's content never
 depends on timing: the reorder buffer is the ring itself.
 
@@ -21,6 +22,7 @@ import grpc
 import numpy as np
 
 from .decode import DecodeError, ImageDecoder
+from .jobs import OwnBatches, SharedJob
 from .metrics import ServerMetrics
 from .paths import DataRoots
 from .pool import DecodePool
@@ -44,11 +46,17 @@ class StreamCancelled(Exception):
 
 
 class Batch:
-    """A batch being filled in one slot; ``rows`` is its final sample count."""
+    """A batch being filled in one slot; ``rows`` is its final sample count.
 
-    def __init__(self, stream: Stream, seq: int, slot: int, indices: np.ndarray):
+    ``seq`` counts the stream's batches; ``number`` is the batch's place in the
+    pass (the same for a private pass, not for a shared job).
+    """
+
+    def __init__(self, stream: Stream, seq: int, slot: int, number: int):
         self.seq = seq
         self.slot = slot
+        self.number = number
+        indices = stream.plan.batches[number]
         self.indices = indices
         self.arrays = stream.plan.layout.views(stream.ring.slot(slot))
         self.failures: list[tuple[int, str]] = []
@@ -106,8 +114,10 @@ class Batch:
 
 class Stream:
     def __init__(self, plan: StreamPlan, roots: DataRoots, pool: DecodePool, buffer,
-                 metrics: ServerMetrics | None = None):
+                 metrics: ServerMetrics | None = None,
+                 source: OwnBatches | SharedJob | None = None):
         self.plan = plan
+        self.source = source if source is not None else OwnBatches(plan)
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.roots = roots
         self.ring = SlotRing(buffer, plan.num_slots, plan.layout.slot_bytes)
@@ -118,7 +128,8 @@ class Stream:
         self._last_release = time.monotonic()
         self._pool = pool
         self._batches: dict[int, Batch] = {}
-        self._next_seq = plan.start_batch
+        self._next_seq = plan.start_batch  # the seq the next batch started will get
+        self._next_out = plan.start_batch  # the seq published next
 
     def start(self) -> None:
         with self.cond:
@@ -136,6 +147,12 @@ class Stream:
             if seqs:
                 self._last_release = time.monotonic()
             self._start_ready()
+
+    def wake(self) -> None:
+        """The source may have batches again, or be finished (a shared job moved on)."""
+        with self.cond:
+            self._start_ready()
+            self.cond.notify_all()
 
     def attach(self) -> None:
         """The client has mapped the stream's shared memory."""
@@ -168,9 +185,12 @@ class Stream:
         slot for longer than the lease timeout.
         """
         failed: list[tuple[int, str]] = []
-        for seq in range(self.plan.start_batch, len(self.plan.batches)):
+        while True:
             with self.cond:
-                batch = self._wait_done(seq)
+                batch = self._wait_done(self._next_out)
+                if batch is None:
+                    return
+                self._next_out += 1
             failed += batch.failures
             if len(failed) > self.plan.max_failures:
                 examples = "; ".join(f"sample {i}: {why}" for i, why in failed[:5])
@@ -178,9 +198,11 @@ class Stream:
                     grpc.StatusCode.DATA_LOSS,
                     f"{len(failed)} samples failed, over this stream's failure budget of "
                     f"{self.plan.max_failures} (max_failures / max_failure_fraction): {examples}")
+            self.source.sent(batch.number)
             yield batch
 
-    def _wait_done(self, seq: int) -> Batch:
+    def _wait_done(self, seq: int) -> Batch | None:
+        """Batch ``seq`` once decoded; None once the source has no batch left for it."""
         while True:
             if self.cancelled:
                 raise self._ending
@@ -188,7 +210,9 @@ class Stream:
             if batch is not None and batch.done:
                 return batch
             timeout = None
-            if batch is None:  # every slot is leased: the trainer must release one
+            if batch is None and self.source.finished():
+                return None
+            if batch is None and not self.ring.free_slots():  # the trainer must release one
                 idle = time.monotonic() - self._last_release
                 if idle >= self.plan.lease_timeout:
                     raise StreamCancelled(
@@ -200,18 +224,19 @@ class Stream:
             self.cond.wait(timeout)
 
     def close(self) -> None:
-        """Cancel, then wait until no decode thread still writes into the ring."""
+        """Cancel, give back batches never sent, wait until no decode thread writes the ring."""
         self.cancel()
         with self.cond:
+            unsent = [b.number for seq, b in self._batches.items() if seq >= self._next_out]
             self.cond.wait_for(lambda: all(b.done for b in self._batches.values()))
+        self.source.give_back(unsent)
 
     def _start_ready(self) -> None:
-        while not self.cancelled and self._next_seq < len(self.plan.batches):
-            slot = self.ring.lease(self._next_seq)
-            if slot is None:
+        while not self.cancelled and self.ring.free_slots():
+            number = self.source.claim()
+            if number is None:
                 return
-            indices = self.plan.batches[self._next_seq]
-            batch = Batch(self, self._next_seq, slot, indices)
+            batch = Batch(self, self._next_seq, self.ring.lease(self._next_seq), number)
             self._batches[self._next_seq] = batch
             self._next_seq += 1
-            self._pool.submit(batch, range(len(indices)))
+            self._pool.submit(self, batch, range(len(batch.indices)))

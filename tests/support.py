@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,3 +39,13 @@ def shm_prefix(address: str) -> str:
 def stream_segments(prefix: str) -> set[str]:
     """The stream segments (not the probe) that a server with ``prefix`` has in /dev/shm."""
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix) and not n.endswith("probe")}
+
+
+def wait_until(condition, timeout: float = 20.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` passes; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()

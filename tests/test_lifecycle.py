@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gpufeed.client import FeedClient
 from gpufeed.server.process import ServerProcess
-from support import shm_prefix, stream_segments
+from support import shm_prefix, stream_segments, wait_until
 
 # A trainer that opens a shm stream with raw gRPC, prints the segment name and
 # then stops reading without ever attaching or releasing: the worst client.
@@ -46,15 +46,6 @@ _LIBRARY_CLIENT = textwrap.dedent("""
 """)
 
 
-def _wait_until(condition, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 def _start_client(script: str, address: str, files: list[str]) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-c", script, address, *files],
                             stdout=subprocess.PIPE, text=True)
@@ -77,7 +68,7 @@ def test_killed_client_leaves_nothing_and_server_serves_on(server, image_names, 
         assert stream_segments(prefix) == {line}  # not attached: the server still holds the name
     proc.kill()
     proc.wait()
-    assert _wait_until(lambda: not stream_segments(prefix)), stream_segments(prefix)
+    assert wait_until(lambda: not stream_segments(prefix)), stream_segments(prefix)
     assert _serves(server.address, image_names[:8]) == list(range(8))
 
 

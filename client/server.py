@@ -1,0 +1,83 @@
+"""One gpufeed server as the client sees it: its channel, its Info, its transport."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from gpufeed.v1 import feed_pb2, feed_pb2_grpc
+
+from .errors import FeedError
+from .shm import shares_shm
+
+__all__ = ["Server"]
+
+_log = logging.getLogger(__name__)
+
+# Keepalive pings find a server that vanished without closing the connection
+# (host down, network cut) within about 5 s, instead of a hang.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),  # inline batches are as large as they are
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class Server:
+    def __init__(self, address: str, *, connect_timeout: float,
+                 credentials: grpc.ChannelCredentials | None, token: str | None):
+        self.address = address
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.stub = feed_pb2_grpc.FeedStub(self._channel)
+        self._connect_timeout = connect_timeout
+        self._auto: int | None = None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def info(self) -> feed_pb2.InfoResponse:
+        try:
+            return self.stub.Info(feed_pb2.InfoRequest(), timeout=self._connect_timeout,
+                                  wait_for_ready=True, metadata=self.metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise FeedError(grpc.StatusCode.UNAVAILABLE,
+                                f"no gpufeed server answered at {self.address} within "
+                                f"{self._connect_timeout:g} s; is gpufeed-server running "
+                                f"and listening there?") from None
+            raise FeedError.from_rpc(e, self.address) from None
+
+    def auto_transport(self) -> int:
+        """cuda_ipc on the same host and GPU, else shm on the same /dev/shm, else inline.
+
+        "Same host" is proven by reading the probe segment the server names in
+        Info, not by comparing host names; "same GPU" by the GPU's UUID.
+        """
+        if self._auto is None:
+            info = self.info()
+            same_shm = (feed_pb2.TRANSPORT_SHM in info.transports
+                        and shares_shm(info.shm_probe.name, info.shm_probe.token))
+            if not same_shm:
+                self._auto, why = feed_pb2.TRANSPORT_INLINE, "cannot see the server's /dev/shm probe"
+            elif feed_pb2.TRANSPORT_CUDA_IPC in info.transports and _sees_gpu(info.gpu_uuid):
+                self._auto, why = feed_pb2.TRANSPORT_CUDA_IPC, f"same host and GPU {info.gpu_uuid}"
+            else:
+                self._auto, why = feed_pb2.TRANSPORT_SHM, "shares the server's /dev/shm"
+            _log.info("%s: transport auto -> %s (%s)", self.address,
+                      feed_pb2.Transport.Name(self._auto).removeprefix("TRANSPORT_").lower(), why)
+        return self._auto
+
+
+def _sees_gpu(uuid: str) -> bool:
+    if not uuid:
+        return False
+    from .cuda_ipc import local_device
+
+    return local_device(uuid) is not None

@@ -1,0 +1,161 @@
+"""Where a stream's batches come from: its own pass, or a pass shared by a job.
+
+A stream asks its source for the next batch of the pass (``claim``) whenever it
+has a free slot. ``OwnBatches`` is a stream's private pass, from its resume
+position on, in order. ``SharedJob`` is one pass shared by every stream that
+names the same job and epoch (tf.data service's dynamic sharding): each batch
+goes to whichever consumer has a free slot first, so a slow consumer receives
+fewer batches instead of stalling the others, and the union over consumers is
+every batch once.
+
+What a shared job keeps and loses: the content of batch k is still a pure
+function of the request (seed, epoch), but which consumer receives it, and in
+what order a consumer sees its batches, depends on timing; a consumer cannot
+resume at a position (it rejoins the job instead). A consumer that leaves gives
+back the batches it had claimed but not yet sent, and another consumer sends
+them; batches already sent to a consumer that dies are not sent again (at most
+once across consumers, as with tf.data service).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+import grpc
+
+from gpufeed.v1 import feed_pb2
+
+from .request import RequestError, StreamPlan
+
+__all__ = ["JobRegistry", "OwnBatches", "SharedJob"]
+
+_FINISHED_KEPT = 256
+
+
+class OwnBatches:
+    """A stream's private pass: batches start_batch.. in order."""
+
+    def __init__(self, plan: StreamPlan):
+        self._next = plan.start_batch
+        self._end = len(plan.batches)
+
+    def claim(self) -> int | None:
+        if self._next >= self._end:
+            return None
+        self._next += 1
+        return self._next - 1
+
+    def sent(self, index: int) -> None:
+        pass
+
+    def give_back(self, indices: list[int]) -> None:
+        pass
+
+    def finished(self) -> bool:
+        return self._next >= self._end
+
+
+class SharedJob:
+    """One pass over a job's batches, shared by its consumers. Thread-safe."""
+
+    def __init__(self, name: str, plan: StreamPlan, fingerprint: str):
+        self.name = name
+        self.plan = plan
+        self.fingerprint = fingerprint
+        self._lock = threading.Lock()
+        self._next = 0
+        self._returned: deque[int] = deque()  # given back by leaving consumers: first in line
+        self._sent = 0
+        self._consumers: set[Callable[[], None]] = set()  # each wakes one consumer stream
+
+    def claim(self) -> int | None:
+        with self._lock:
+            if self._returned:
+                return self._returned.popleft()
+            if self._next < len(self.plan.batches):
+                self._next += 1
+                return self._next - 1
+            return None
+
+    def sent(self, index: int) -> None:
+        with self._lock:
+            self._sent += 1
+            done = self._sent == len(self.plan.batches)
+        if done:
+            self._wake_all()
+
+    def give_back(self, indices: list[int]) -> None:
+        if not indices:
+            return
+        with self._lock:
+            self._returned.extendleft(sorted(indices, reverse=True))
+        self._wake_all()
+
+    def finished(self) -> bool:
+        with self._lock:
+            return self._sent == len(self.plan.batches)
+
+    def add_consumer(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            self._consumers.add(wake)
+
+    def remove_consumer(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            self._consumers.discard(wake)
+
+    def consumers(self) -> int:
+        with self._lock:
+            return len(self._consumers)
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            consumers = list(self._consumers)
+        for wake in consumers:
+            wake()
+
+
+class JobRegistry:
+    """The shared jobs of a server, by (name, epoch)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: OrderedDict[tuple[str, int], SharedJob] = OrderedDict()
+
+    def join(self, request: feed_pb2.StreamRequest, plan: StreamPlan) -> SharedJob:
+        """The job this request names, made by its first consumer."""
+        key = (request.job, request.epoch)
+        fingerprint = _fingerprint(request)
+        with self._lock:
+            job = self._jobs.get(key)
+            if job is None:
+                job = self._jobs[key] = SharedJob(request.job, plan, fingerprint)
+                self._forget_finished()
+            elif job.fingerprint != fingerprint:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"job {request.job!r} epoch {request.epoch} was opened with a different "
+                    f"request; every consumer of a job must ask for the same samples, batch "
+                    f"size, output, shuffle and seed")
+        return job
+
+    def _forget_finished(self) -> None:
+        """Keep finished jobs (so a late consumer gets an empty stream, not a replay), up to a bound."""
+        while len(self._jobs) > _FINISHED_KEPT:
+            for key, job in self._jobs.items():
+                if job.finished() and not job.consumers():
+                    del self._jobs[key]
+                    break
+            else:
+                return
+
+
+def _fingerprint(request: feed_pb2.StreamRequest) -> str:
+    """What every consumer of a job must agree on: the request less its per-consumer fields."""
+    shared = feed_pb2.StreamRequest()
+    shared.CopyFrom(request)
+    for name in ("transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction"):
+        shared.ClearField(name)
+    return hashlib.sha256(shared.SerializeToString(deterministic=True)).hexdigest()

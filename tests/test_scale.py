@@ -1,0 +1,133 @@
+"""Many trainers, many servers: static scale-out, shared jobs, fair decode."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from gpufeed.client import FeedClient, FeedError
+from gpufeed.server.process import ServerProcess
+
+
+def _indices(loader) -> list[int]:
+    return [i for b in loader for i in b["index"].tolist()]
+
+
+@pytest.fixture()
+def two_servers(data_dir):
+    servers = [ServerProcess(["--data-root", str(data_dir), "--threads", "1"]).start()
+               for _ in range(2)]
+    yield servers
+    for server in servers:
+        server.kill()
+
+
+def test_an_epoch_spread_over_two_servers(two_servers, image_names):
+    files = image_names[:100]
+    with FeedClient([s.address for s in two_servers]) as feed:
+        loader = feed.loader(files=files, batch_size=8, size=(16, 16), shuffle=True, seed=4,
+                             rank=1, world_size=2)
+        first = _indices(loader)
+        again = _indices(loader)
+    assert sorted(first) == list(range(1, 100, 2))  # rank 1's shard, every sample once
+    assert again == first  # a static split: deterministic
+
+
+def test_a_server_killed_mid_epoch_has_its_part_reassigned(two_servers, image_names):
+    files = image_names[:120]
+    with FeedClient([s.address for s in two_servers]) as feed:
+        expected = _indices(feed.loader(files=files, batch_size=8, size=(16, 16), prefetch=1))
+        loader = feed.loader(files=files, batch_size=8, size=(16, 16), prefetch=1,
+                             reconnect_timeout=30)
+        received = []
+        for k, batch in enumerate(loader):
+            received += batch["index"].tolist()
+            if k == 3:
+                two_servers[1].proc.send_signal(signal.SIGKILL)
+                two_servers[1].proc.wait()
+    assert sorted(received) == list(range(120))
+    assert received == expected  # the same order: parts keep their positions
+
+
+def test_resume_across_two_servers(two_servers, image_names):
+    files = image_names[:64]
+    with FeedClient([s.address for s in two_servers]) as feed:
+        full = _indices(feed.loader(files=files, batch_size=4, size=(8, 8), shuffle=True, seed=2))
+        partial = feed.loader(files=files, batch_size=4, size=(8, 8), shuffle=True, seed=2)
+        taken = []
+        for k, batch in enumerate(partial):
+            taken += batch["index"].tolist()
+            if k == 4:
+                break
+        state = partial.state_dict()
+        assert state["batches_consumed"] == [3, 2]
+        resumed = feed.loader(files=files, batch_size=4, size=(8, 8), shuffle=True, seed=2)
+        resumed.load_state_dict(state)
+        assert taken + _indices(resumed) == full
+
+
+def _consume(feed, files, job, received, delay=0.0):
+    loader = feed.loader(files=files, batch_size=4, size=(8, 8), job=job, prefetch=1)
+    for batch in loader:
+        received.append(batch["index"].tolist())
+        if delay:
+            time.sleep(delay)  # a slow trainer: the stimulus, not a synchronisation
+
+
+def test_shared_job_gives_every_sample_once_and_spares_the_fast(feed, image_names):
+    files = image_names[:160]
+    received = {name: [] for name in ("slow", "fast1", "fast2")}
+    threads = [threading.Thread(target=_consume, args=(feed, files, "job-a", received[name],
+                                                       0.3 if name == "slow" else 0.0))
+               for name in received]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    everything = sorted(i for batches in received.values() for b in batches for i in b)
+    assert everything == list(range(160))  # 40 batches between three consumers, each once
+    slow, fast = len(received["slow"]), [len(received["fast1"]), len(received["fast2"])]
+    assert slow < min(fast), (slow, fast)
+    assert sum(fast) >= 2 * slow  # the fast were not held to the slow one's pace
+
+
+def test_a_job_consumer_with_another_request_is_refused(feed, image_names):
+    first = iter(feed.loader(files=image_names[:40], batch_size=4, size=(8, 8), job="job-b"))
+    next(first)
+    with pytest.raises(FeedError) as info:
+        _indices(feed.loader(files=image_names[:40], batch_size=8, size=(8, 8), job="job-b"))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "job 'job-b'" in str(info.value)
+    first.close()
+
+
+def test_a_stream_with_many_credits_does_not_starve_one_with_few(data_dir, image_names):
+    """Decode threads serve streams in turn, whatever each has queued."""
+    big_files = image_names * 10  # 3000 samples: longer than the small stream by far
+    with ServerProcess(["--data-root", str(data_dir), "--threads", "2"]) as server, \
+            FeedClient(server.address) as feed:
+        big = iter(feed.loader(files=big_files, batch_size=32, size=(16, 16), prefetch=16))
+        next(big)  # its 16 batches (512 rows) are queued now
+        small_done = threading.Event()
+        big_batches_meanwhile = []
+
+        def drain_big():
+            for batch in big:
+                if small_done.is_set():
+                    return
+                big_batches_meanwhile.append(len(batch["index"]))
+
+        runner = threading.Thread(target=drain_big)
+        runner.start()
+        small = _indices(feed.loader(files=image_names[:160], batch_size=32, size=(16, 16),
+                                     prefetch=1))
+        small_done.set()
+        runner.join(120)
+    assert sorted(small) == list(range(160))
+    # Served in turn, the big stream decodes about as much as the small one meanwhile
+    # (5 batches, plus what it had queued); first come first served, it would decode
+    # its whole queue before each small batch: 5 x 16 = 80 batches.
+    assert len(big_batches_meanwhile) <= 40, len(big_batches_meanwhile)
