@@ -162,24 +162,30 @@ def compose_server(compose, tmp_path_factory):
         (data / f"{i}.jpg").write_bytes(encode_jpeg(synthetic_photo(rng, 40, 56)))
     local = _with_flag(args, "--data-root", str(data))
     local = _with_flag(local, "--listen", "127.0.0.1:0")
+    server = None
     for _ in range(3):
-        server = ServerProcess(_with_flag(local, "--metrics-port", str(_free_port())))
         try:
-            server.start()
+            server = ServerProcess(_with_flag(local, "--metrics-port", str(_free_port()))).start()
             break
-        except RuntimeError as e:
+        except RuntimeError as e:  # start() has killed the child already
             if "cannot serve metrics" not in str(e):
                 raise
-    else:
-        raise RuntimeError("no free metrics port after 3 tries")
-    with server, FeedClient(server.address) as client:
-        loader = client.loader([f"{i}.jpg" for i in range(6)], prefix=f"{data}/", batch_size=4,
-                               size=(32, 32), transport="inline")
-        samples = sum(len(batch["index"]) for batch in loader)
+    assert server is not None, "no free metrics port after 3 tries"
+    try:
+        with FeedClient(server.address) as client:
+            loader = client.loader([f"{i}.jpg" for i in range(6)], prefix=f"{data}/",
+                                   batch_size=4, size=(32, 32), transport="inline")
+            samples = sum(len(batch["index"]) for batch in loader)
         metrics = next(filter(None, map(_METRICS_LINE.search, server.log)))
         with urllib.request.urlopen(f"http://{metrics.group(1)}/metrics", timeout=10) as reply:
             scrape = reply.read().decode()
         yield {"samples": samples, "scrape": scrape, "address": server.address}
+    finally:  # not ``with server:``, whose __enter__ would start a second process
+        try:
+            server.stop()
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
 
 
 # --- tests -------------------------------------------------------------------------------
