@@ -133,7 +133,7 @@ def _photo_crop(rng: np.random.Generator, photos: list[np.ndarray],
     photo = photos[int(rng.integers(len(photos)))]
     width, height = int(rng.integers(*_WIDTHS)), int(rng.integers(*_HEIGHTS))
     ph, pw, _ = photo.shape
-    # The largest crop of the target's aspect ratio, then 55..100% of it.
+    # The largest crop of the target's aspect ratio, then 75..100% of it.
     scale = min(pw / width, ph / height) * rng.uniform(0.75, 1.0)
     cw, ch = max(16, int(width * scale)), max(16, int(height * scale))
     x, y = int(rng.integers(0, pw - cw + 1)), int(rng.integers(0, ph - ch + 1))
@@ -142,11 +142,21 @@ def _photo_crop(rng: np.random.Generator, photos: list[np.ndarray],
     if rng.random() < 0.5:
         rgb = rgb[:, ::-1]
     rgb = rgb * rng.uniform(0.85, 1.15, 3) + rng.uniform(-12, 12)
-    texture = textures[int(rng.integers(len(textures)))]
-    ty, tx = int(rng.integers(0, texture.shape[0] - height + 1)), int(rng.integers(0, texture.shape[1] - width + 1))
-    rgb += TEXW * texture[ty:ty + height, tx:tx + width, None]
-    rgb += rng.normal(0, rng.uniform(NS), rgb.shape)  # sensor grain: real photos are not clean
+    rgb += _texture(rng, textures, height, width)
+    rgb += rng.normal(0, rng.uniform(5, 9), rgb.shape)  # sensor grain: real photos are not clean
     return np.clip(rgb, 0, 255).astype(np.uint8)
+
+
+def _texture(rng: np.random.Generator, textures: list[np.ndarray], height: int,
+             width: int) -> np.ndarray:
+    """Fine detail: one grey texture on all channels plus shifted copies per channel (chroma)."""
+    texture = textures[int(rng.integers(len(textures)))]
+    y = int(rng.integers(0, texture.shape[0] - height + 1))
+    x = int(rng.integers(0, texture.shape[1] - width + 1))
+    luma = texture[y:y + height, x:x + width, None]
+    chroma = np.stack([np.roll(texture, 37 * (c + 1), axis=c % 2)[y:y + height, x:x + width]
+                       for c in range(3)], -1)
+    return 0.75 * luma + 0.6 * chroma
 
 
 def _synthetic(rng: np.random.Generator) -> np.ndarray:

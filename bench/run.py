@@ -1,0 +1,205 @@
+"""``python -m bench.run``: build or reuse the JPEG set, measure every row, print the table.
+
+Each row runs in its own process (``bench.worker``), one after another, on the
+same files, output size and batch size; a row whose package is missing is
+listed as unavailable. The table and everything needed to read it (data set,
+decoder accuracy, versions, machine) are written as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+
+from . import dataset
+from .accuracy import decoder_psnr
+from .worker import ROWS, Config
+
+__all__ = ["main"]
+
+_HERE = Path(__file__).resolve().parent
+_REFERENCE = "gpufeed-shm"  # the row every other row is compared with
+_PACKAGES = ("av", "torch", "pillow", "grpcio", "spdl", "tensorflow-cpu", "numpy")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
+    p.add_argument("--images", type=int, default=2000, help="JPEGs in the set (default %(default)s)")
+    p.add_argument("--data-dir", type=Path, default=_HERE / "data",
+                   help="where sets are built and reused (default bench/data)")
+    p.add_argument("--out", type=Path, default=_HERE / "results",
+                   help="folder for the JSON results (default bench/results)")
+    p.add_argument("--rows", default=",".join(ROWS),
+                   help="comma-separated rows to run (default: all): " + ", ".join(ROWS))
+    p.add_argument("--passes", type=int, default=2, help="passes over the set per row")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--size", type=int, default=224, help="output height and width")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="decode threads / parallel calls (default: cores, %(default)s)")
+    p.add_argument("--warmup", type=int, default=3, help="batches before the clock starts")
+    p.add_argument("--psnr-images", type=int, default=200,
+                   help="files to check the decoder's accuracy on (0: skip)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over all rows; each row keeps its fastest round (a shared "
+                        "machine's noise only ever slows a row down)")
+    p.add_argument("--row-timeout", type=float, default=300.0, help="seconds before a row is killed")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parser().parse_args(argv)
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = set(rows) - set(ROWS)
+    if unknown:
+        _parser().error(f"unknown rows: {', '.join(sorted(unknown))}")
+    started = time.perf_counter()
+    data = dataset.build(args.data_dir / f"jpeg{args.images}", args.images, log=_say)
+    _say(f"data set: {len(data.names)} JPEGs from {data.source}, mean "
+         f"{data.mean_width:.0f}x{data.mean_height:.0f}, {data.mean_bytes / 1000:.0f} KB, "
+         f"quality {data.quality} ({data.root})")
+    config = Config(root=str(data.root.resolve()), list_file=data.list_file.name, names=data.names,
+                    batch_size=args.batch_size, size=(args.size, args.size), passes=args.passes,
+                    threads=args.threads, warmup=args.warmup)
+    accuracy = None
+    if args.psnr_images:
+        accuracy = decoder_psnr(config.paths[:args.psnr_images], config.size)
+        _say(f"decoder accuracy vs Pillow decode + bilinear resize: mean "
+             f"{accuracy['mean_db']:.2f} dB, worst {accuracy['min_db']:.2f} dB "
+             f"over {accuracy['images']} images")
+    runs: dict[str, list[dict]] = {row: [] for row in rows}
+    for round_ in range(args.repeat):
+        for row in rows:
+            _say(f"[{row}] {ROWS[row][0]} (round {round_ + 1}/{args.repeat}) ...")
+            runs[row].append(_run_row(row, config, args.row_timeout))
+            _say(f"[{row}] {_summary(runs[row][-1])}")
+    results = [_best(runs[row]) for row in rows]
+    report = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join(["python -m bench.run", *(argv if argv is not None else sys.argv[1:])]),
+        "config": {k: v for k, v in asdict(config).items() if k != "names"},
+        "data_set": data.describe(),
+        "decoder_accuracy": accuracy,
+        "machine": _machine(),
+        "rows": results,
+        "server_overhead": _overhead(results, args.batch_size),
+        "seconds": time.perf_counter() - started,
+    }
+    print(format_table(report), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=1))
+    (args.out / "latest.json").write_text(json.dumps(report, indent=1))
+    _say(f"wrote {path}")
+    return report
+
+
+def _run_row(row: str, config: Config, timeout: float) -> dict:
+    """Run one row in a fresh process; its progress streams to our stderr."""
+    raw = json.dumps(asdict(config))
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "bench.worker", row, raw],
+                              cwd=_HERE.parent, stdout=subprocess.PIPE, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"row": row, "label": ROWS[row][0], "status": "failed",
+                "note": f"no result within {timeout:g} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return {"row": row, "label": ROWS[row][0], "status": "failed",
+                "note": f"exit code {done.returncode}; see the traceback above"}
+    return {**json.loads(lines[-1]), "row_seconds": time.perf_counter() - started}
+
+
+def _best(runs: list[dict]) -> dict:
+    """The fastest successful run of a row (or its last failure), with every run's figures."""
+    ok = [r for r in runs if r["status"] == "ok"]
+    best = dict(max(ok, key=lambda r: r["images_per_second"]) if ok else runs[-1])
+    best["rounds"] = [{k: r.get(k) for k in ("status", "images_per_second", "cpu_seconds_per_1000")}
+                      for r in runs]
+    return best
+
+
+def _summary(result: dict) -> str:
+    if result["status"] != "ok":
+        return f"{result['status']}: {result['note']}"
+    return (f"{result['images_per_second']:.0f} img/s, "
+            f"{result['cpu_seconds_per_1000']:.2f} CPU s / 1000 images "
+            f"({result['images']}/{result['expected']} images delivered; "
+            f"row took {result['row_seconds']:.1f} s)")
+
+
+def _overhead(results: list[dict], batch_size: int) -> dict:
+    """What the service adds per batch over the bare decoder: wall time and CPU time."""
+    ok = {r["row"]: r for r in results if r["status"] == "ok" and r["images_per_second"] > 0}
+    if "ceiling" not in ok:
+        return {}
+    base = ok["ceiling"]
+    out = {}
+    for row in ("gpufeed-shm", "gpufeed-inline"):
+        if row in ok:
+            r = ok[row]
+            out[row] = {
+                "wall_ms_per_batch": 1000 * batch_size * (1 / r["images_per_second"]
+                                                          - 1 / base["images_per_second"]),
+                "cpu_ms_per_batch": batch_size * (r["cpu_seconds_per_1000"]
+                                                  - base["cpu_seconds_per_1000"]),
+                "fraction_of_ceiling": r["images_per_second"] / base["images_per_second"],
+            }
+    return out
+
+
+def format_table(report: dict) -> str:
+    """The results as a Markdown table, as bench/README.md shows them."""
+    rows = report["rows"]
+    ref = next((r for r in rows if r["row"] == _REFERENCE and r["status"] == "ok"), None)
+    lines = ["| row | images/s | CPU s / 1000 images | gpufeed shm speed-up | delivered | note |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['label']} | – | – | – | – | {r['status']}: {r['note']} |")
+            continue
+        speedup = (f"{ref['images_per_second'] / r['images_per_second']:.2f}x"
+                   if ref and r["images_per_second"] else "–")
+        lines.append(f"| {r['label']} | {r['images_per_second']:.0f} | "
+                     f"{r['cpu_seconds_per_1000']:.2f} | {speedup} | "
+                     f"{r['images']}/{r['expected']} | {r['note']} |")
+    for row, o in report.get("server_overhead", {}).items():
+        lines.append(f"\n{row}: {100 * o['fraction_of_ceiling']:.0f}% of the ceiling; the service "
+                     f"adds {o['wall_ms_per_batch']:.1f} ms wall and {o['cpu_ms_per_batch']:.1f} ms "
+                     f"CPU per batch")
+    return "\n".join(lines)
+
+
+def _machine() -> dict:
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"cores": len(os.sched_getaffinity(0)), "cpu": cpu, "python": platform.python_version(),
+            "packages": versions}
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
