@@ -79,6 +79,14 @@ class FeedServer:
             device = check_device(config.device)
         self._shm = ShmNamespace()
         self._pool = DecodePool(config.threads)
+        try:
+            self._build(config, device)
+        except BaseException:  # a taken port, say: leave no thread or /dev/shm name behind
+            self._pool.close()
+            self._shm.close()
+            raise
+
+    def _build(self, config: ServerConfig, device) -> None:
         self.metrics = ServerMetrics(self._pool)
         # Each stream holds a handler thread; keep a few workers for Info and health.
         self._grpc = grpc.server(

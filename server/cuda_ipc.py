@@ -85,10 +85,15 @@ class DeviceRing:
         """The host ring as a buffer the slot ring and decode threads write into."""
         return self.host.numpy()
 
-    def publish(self, slot: int) -> None:
-        """Copy the slot to the device on the side stream; its event marks it ready."""
-        start = slot * self.slot_bytes
+    def publish(self, batch, plan) -> None:
+        """Copy the batch's slot to the device and run the batch pass there, on the side
+        stream; the slot's event marks the result ready."""
+        start = batch.slot * self.slot_bytes
         with torch.cuda.stream(self._copies):
-            self.device[start:start + self.slot_bytes].copy_(
-                self.host[start:start + self.slot_bytes], non_blocking=True)
-            self._ready[slot].record(self._copies)
+            slot = self.device[start:start + self.slot_bytes]
+            slot.copy_(self.host[start:start + self.slot_bytes], non_blocking=True)
+            arrays = plan.layout.views(slot)
+            rows = batch.rows
+            plan.transform.finish_batch(arrays.get("decoded", arrays["image"])[:rows],
+                                        arrays["flip"][:rows], arrays["image"][:rows])
+            self._ready[batch.slot].record(self._copies)

@@ -49,6 +49,15 @@ class DecodePool:
             queue.extend((task, row) for row in rows)
             self._cond.notify(len(rows))
 
+    def drop(self, owner: object) -> list[tuple[RowTask, int]]:
+        """Take ``owner``'s queued rows off the queue (a cancelled stream); returns them."""
+        with self._cond:
+            queue = self._queues.pop(owner, None)
+            if queue is None:
+                return []
+            self._turns.remove(owner)
+            return list(queue)
+
     def queued(self) -> int:
         """Rows waiting for a decode thread (the decode queue occupancy metric)."""
         with self._cond:

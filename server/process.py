@@ -63,7 +63,7 @@ class ServerProcess:
             self.proc.wait()
 
     def __enter__(self) -> ServerProcess:
-        return self.start()
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         try:

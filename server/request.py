@@ -7,16 +7,19 @@ the list file, when one is named, is read here.
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
+import torch
 
 from gpufeed.v1 import feed_pb2
 
 from .paths import DataRoots, OutsideDataRoots
 from .ring import BatchLayout
 from .source import shard_order, split_batches
+from .transform import OutputTransform
 
 __all__ = ["Limits", "RequestError", "StreamPlan", "plan_stream"]
 
@@ -53,11 +56,11 @@ class StreamPlan:
 
     paths: list[str]
     labels: np.ndarray | None
+    classes: list[str]
     batches: list[np.ndarray]
     start_batch: int
     layout: BatchLayout
-    height: int
-    width: int
+    transform: OutputTransform
     transport: int
     prefetch: int
     max_failures: int
@@ -79,18 +82,13 @@ def _invalid(message: str) -> RequestError:
 
 def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                 transports: tuple[int, ...]) -> StreamPlan:
-    names = _sample_names(req, roots)
+    names, listed_labels = _sample_names(req, roots)
     if not names:
         raise _invalid("samples: the list is empty")
     if len(names) > limits.max_samples:
         raise _invalid(f"samples: {len(names)} samples is over the limit of {limits.max_samples}")
     paths = _locate_all(names, req.prefix, roots)
-
-    labels = None
-    if req.labels:
-        if len(req.labels) != len(names):
-            raise _invalid(f"labels: {len(req.labels)} labels for {len(names)} samples")
-        labels = np.asarray(req.labels, dtype=np.int64)
+    labels, classes = _labels(req, names, listed_labels)
 
     if req.batch_size <= 0:
         raise _invalid(f"batch_size must be positive, got {req.batch_size}")
@@ -98,6 +96,10 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     if not (0 < height <= _MAX_SIDE and 0 < width <= _MAX_SIDE):
         raise _invalid(f"output: size must be within 1..{_MAX_SIDE} on each side, "
                        f"got ({height}, {width})")
+    try:
+        transform = OutputTransform(req.output, req.seed, req.epoch)
+    except ValueError as e:
+        raise _invalid(str(e)) from None
     world_size = req.world_size or 1
     if world_size < 0:
         raise _invalid(f"world_size must be positive, got {world_size}")
@@ -108,7 +110,7 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     if not 0 < prefetch <= limits.max_prefetch:
         raise _invalid(f"prefetch must be in 1..{limits.max_prefetch} (the server's "
                        f"--max-prefetch), got {prefetch}")
-    layout = BatchLayout(req.batch_size, height, width, with_labels=labels is not None)
+    layout = _image_layout(req.batch_size, transform, labels is not None)
     if layout.slot_bytes > limits.max_batch_bytes:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"batch_size x output: a batch takes {layout.slot_bytes} bytes, over "
@@ -129,8 +131,9 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     if not 0 <= req.start_batch <= len(batches):
         raise _invalid(f"start_batch must be in 0..{len(batches)} (batches in this stream), "
                        f"got {req.start_batch}")
-    return StreamPlan(paths=paths, labels=labels, batches=batches, start_batch=req.start_batch,
-                      layout=layout, height=height, width=width, transport=transport,
+    return StreamPlan(paths=paths, labels=labels, classes=classes, batches=batches,
+                      start_batch=req.start_batch, layout=layout, transform=transform,
+                      transport=transport,
                       prefetch=prefetch, max_failures=_failure_budget(req, len(order), limits),
                       lease_timeout=limits.lease_timeout)
 
@@ -146,10 +149,55 @@ def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limit
     return max(count, int(fraction * num_samples))
 
 
-def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots) -> list[str]:
+def _image_layout(batch_size: int, transform: OutputTransform, with_labels: bool) -> BatchLayout:
+    """image (as asked), index, label; uint8 pixels and flips as working space when needed."""
+    wire = "bfloat16" if transform.dtype == torch.bfloat16 else ""
+    arrays = [("image", transform.image_dtype, transform.image_shape, wire),
+              ("index", np.int64, ())]
+    if with_labels:
+        arrays.append(("label", np.int64, ()))
+    private = ["flip"]
+    arrays.append(("flip", np.bool_, ()))
+    if transform.converts:
+        arrays.append(("decoded", np.uint8, (3, transform.height, transform.width)))
+        private.append("decoded")
+    return BatchLayout(batch_size, arrays, tuple(private))
+
+
+def _labels(req: feed_pb2.StreamRequest, names: list[str],
+            listed: list[int] | None) -> tuple[np.ndarray | None, list[str]]:
+    """Per-sample labels (or None) and, for folder labels, the class names."""
+    source = req.label_source
+    if req.labels and source != feed_pb2.LABELS_FROM_REQUEST:
+        raise _invalid("labels: give labels or label_source, not both")
+    if source == feed_pb2.LABELS_FROM_REQUEST:
+        if not req.labels:
+            return None, []
+        if len(req.labels) != len(names):
+            raise _invalid(f"labels: {len(req.labels)} labels for {len(names)} samples")
+        return np.asarray(req.labels, dtype=np.int64), []
+    if source == feed_pb2.LABELS_FROM_LIST_FILE:
+        if listed is None:
+            raise _invalid("label_source: LABELS_FROM_LIST_FILE needs a list_file")
+        return np.asarray(listed, dtype=np.int64), []
+    if source == feed_pb2.LABELS_FROM_FOLDER:
+        folders = [posixpath.basename(posixpath.dirname(posixpath.normpath(n))) for n in names]
+        if not all(folders):
+            bad = next(n for n, f in zip(names, folders) if not f)
+            raise _invalid(f"label_source: LABELS_FROM_FOLDER needs every sample in a folder, "
+                           f"{bad!r} is not")
+        classes = sorted(set(folders))
+        number = {name: i for i, name in enumerate(classes)}
+        return np.asarray([number[f] for f in folders], dtype=np.int64), classes
+    raise _invalid(f"label_source: unknown value {source}")
+
+
+def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots
+                  ) -> tuple[list[str], list[int] | None]:
+    """The sample names, and the list file's labels when label_source asks for them."""
     kind = req.WhichOneof("samples")
     if kind == "files":
-        return list(req.files.paths)
+        return list(req.files.paths), None
     if kind != "list_file":
         raise _invalid("samples: give either files or list_file")
     try:
@@ -162,7 +210,20 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots) -> list[str]:
                            f"list_file: {req.list_file!r} not found under the data roots") from None
     except (OSError, UnicodeDecodeError) as e:
         raise _invalid(f"list_file: cannot read {req.list_file!r}: {e}") from None
-    return [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if req.label_source != feed_pb2.LABELS_FROM_LIST_FILE:
+        return lines, None
+    names, labels = [], []
+    for number, line in enumerate(lines, 1):
+        name, tab, label = line.rpartition("\t")
+        try:
+            labels.append(int(label))
+        except ValueError:
+            tab = ""
+        if not tab:
+            raise _invalid(f"list_file: line {number} is not `path<TAB>integer label`: {line!r}")
+        names.append(name)
+    return names, labels
 
 
 def _locate_all(names: list[str], prefix: str, roots: DataRoots) -> list[str]:

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 __all__ = ["BatchLayout", "SlotRing", "TensorPlace"]
 
@@ -27,38 +28,51 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class TensorPlace:
-    """One array of a batch: its name, dtype, per-sample shape and slot offset."""
+    """One array of a batch: its name, dtype, per-sample shape and slot offset.
+
+    ``wire_dtype`` names the dtype for the client when numpy has none for it
+    (bfloat16 is kept as uint16 here).
+    """
 
     name: str
     dtype: np.dtype
     sample_shape: tuple[int, ...]
     offset: int
+    wire_dtype: str = ""
 
 
 class BatchLayout:
-    """Where each array of a full batch lives inside a slot (page-aligned)."""
+    """Where each array of a full batch lives inside a slot (page-aligned).
 
-    def __init__(self, batch_size: int, height: int, width: int, with_labels: bool):
-        arrays = [("image", np.dtype(np.uint8), (3, height, width)),
-                  ("index", np.dtype(np.int64), ())]
-        if with_labels:
-            arrays.append(("label", np.dtype(np.int64), ()))
+    ``arrays`` are (name, dtype, per-sample shape[, wire dtype]); those named in
+    ``private`` are the server's working space (say, uint8 pixels before a
+    float conversion) and are not sent.
+    """
+
+    def __init__(self, batch_size: int, arrays: list[tuple], private: tuple[str, ...] = ()):
         self.batch_size = batch_size
-        self.tensors: list[TensorPlace] = []
+        self.places: list[TensorPlace] = []
         offset = 0
-        for name, dtype, shape in arrays:
-            self.tensors.append(TensorPlace(name, dtype, shape, offset))
+        for name, dtype, shape, *wire in arrays:
+            dtype = np.dtype(dtype)
+            self.places.append(TensorPlace(name, dtype, tuple(shape), offset, *wire))
             offset += _align(batch_size * dtype.itemsize * int(np.prod(shape)))
+        self.tensors = [t for t in self.places if t.name not in private]
         self.slot_bytes = offset
 
-    def views(self, slot: np.ndarray) -> dict[str, np.ndarray]:
-        """Full-batch arrays over one slot's bytes, by name."""
+    def views(self, slot) -> dict[str, np.ndarray]:
+        """Full-batch arrays over one slot's bytes (a uint8 array or tensor), by name."""
         out = {}
-        for t in self.tensors:
+        for t in self.places:
             count = self.batch_size * int(np.prod(t.sample_shape))
-            flat = slot[t.offset:t.offset + count * t.dtype.itemsize].view(t.dtype)
+            flat = slot[t.offset:t.offset + count * t.dtype.itemsize]
+            flat = flat.view(t.dtype if isinstance(slot, np.ndarray) else _torch_dtype(t.dtype))
             out[t.name] = flat.reshape((self.batch_size, *t.sample_shape))
         return out
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
 class SlotRing:

@@ -124,7 +124,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             buffer = device_ring.host_buffer()
         else:
             buffer = bytearray(slots_bytes)
-        stream = Stream(plan, self._roots, self._pool, buffer, self._metrics, source=job)
+        stream = Stream(plan, self._roots, self._pool, buffer, self._metrics, source=job,
+                        finish_on_host=device_ring is None)
         if job is not None:
             job.add_consumer(stream.wake)
         context.add_callback(stream.cancel)
@@ -144,10 +145,11 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 num_samples=0 if job else plan.num_samples,
                 num_batches=0 if job else len(plan.batches) - plan.start_batch,
                 cuda_ipc=device_ring.export if device_ring else None,
+                classes=plan.classes,
             ))
             for batch in stream.published():
                 if device_ring is not None:
-                    device_ring.publish(batch.slot)
+                    device_ring.publish(batch, plan)
                 message = feed_pb2.ServerMessage(batch=_batch_message(batch, plan))
                 sending = time.perf_counter()
                 yield message  # returns once gRPC has taken the message
@@ -202,7 +204,7 @@ def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.Batch:
         array = batch.arrays[place.name][:batch.rows]
         message.tensors.add(name=place.name, dtype=place.dtype.name, shape=array.shape,
                             offset=offset if inline else place.offset)
-        if inline:
+        if inline and array.nbytes:
             chunks.append(memoryview(np.ascontiguousarray(array)).cast("B"))
             padding = -array.nbytes % _INLINE_ALIGN
             chunks.append(bytes(padding))

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import grpc
 import numpy as np
+import torch
 
 from .decode import DecodeError, ImageDecoder
 from .jobs import OwnBatches, SharedJob
@@ -59,6 +60,8 @@ class Batch:
         indices = stream.plan.batches[number]
         self.indices = indices
         self.arrays = stream.plan.layout.views(stream.ring.slot(slot))
+        # Where the decoder writes: the image itself, or uint8 working space before a conversion.
+        self._pixels = self.arrays.get("decoded", self.arrays["image"])
         self.failures: list[tuple[int, str]] = []
         self.rows = len(indices)
         self._stream = stream
@@ -72,11 +75,12 @@ class Batch:
         failure = None
         if not stream.cancelled:
             index = int(self.indices[row])
+            place, self.arrays["flip"][row] = stream.plan.transform.choose(index)
             try:
                 with stream.metrics.stages["read"].time():
                     data = stream.roots.read(stream.plan.paths[index])
                 with stream.metrics.stages["decode"].time():
-                    decoder.decode_into(data, self.arrays["image"][row])
+                    decoder.decode_into(data, self._pixels[row], place)
             except FileNotFoundError:
                 failure = "file not found"
             except PermissionError as e:
@@ -89,34 +93,51 @@ class Batch:
             if failure is not None:
                 self.failures.append((row, failure))
             self._pending -= 1
-            if self._pending == 0:
-                self._finish()
+            last = self._pending == 0
+        if last:  # every row is written: this thread alone finishes the batch, unlocked
+            self._finish()
+            with stream.cond:
+                self.done = True
                 stream.cond.notify_all()
 
+    def skip_row(self, row: int) -> None:
+        """Count a row of a cancelled stream as done without decoding it."""
+        with self._stream.cond:
+            self._pending -= 1
+            if self._pending == 0:
+                self.done = True
+                self._stream.cond.notify_all()
+
     def _finish(self) -> None:
-        """Fill index/label and close the gaps failed rows left (called once, locked)."""
+        """Close the gaps failed rows left, fill index/label, run the batch pass on the host."""
+        plan = self._stream.plan
         ok = np.ones(len(self.indices), dtype=bool)
         for row, _ in self.failures:
             ok[row] = False
         self.failures = sorted((int(self.indices[row]), why) for row, why in self.failures)
-        self.rows = int(ok.sum())
-        image = self.arrays["image"]
-        if self.rows < len(self.indices):
-            image[:self.rows] = image[:len(self.indices)][ok]
+        self.rows = rows = int(ok.sum())
+        flips = self.arrays["flip"]
+        if rows < len(self.indices):
+            self._pixels[:rows] = self._pixels[:len(self.indices)][ok]
+            flips[:rows] = flips[:len(self.indices)][ok]
         kept = self.indices[ok]
-        self.arrays["index"][:self.rows] = kept
-        labels = self._stream.plan.labels
-        if labels is not None:
-            self.arrays["label"][:self.rows] = labels[kept]
-        self.done = True
+        self.arrays["index"][:rows] = kept
+        if plan.labels is not None:
+            self.arrays["label"][:rows] = plan.labels[kept]
+        if self._stream.finish_on_host and not self._stream.cancelled:
+            plan.transform.finish_batch(torch.from_numpy(self._pixels[:rows]),
+                                        torch.from_numpy(flips[:rows]),
+                                        torch.from_numpy(self.arrays["image"][:rows]))
         self._stream.metrics.stages["batch"].observe(time.perf_counter() - self._started)
 
 
 class Stream:
     def __init__(self, plan: StreamPlan, roots: DataRoots, pool: DecodePool, buffer,
                  metrics: ServerMetrics | None = None,
-                 source: OwnBatches | SharedJob | None = None):
+                 source: OwnBatches | SharedJob | None = None, finish_on_host: bool = True):
         self.plan = plan
+        # The batch pass runs on the host, or (cuda_ipc) on the device after the copy.
+        self.finish_on_host = finish_on_host
         self.source = source if source is not None else OwnBatches(plan)
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.roots = roots
@@ -224,8 +245,14 @@ class Stream:
             self.cond.wait(timeout)
 
     def close(self) -> None:
-        """Cancel, give back batches never sent, wait until no decode thread writes the ring."""
+        """Cancel, give back batches never sent, wait until no decode thread writes the ring.
+
+        Rows still queued are taken off the pool (they would only be skipped), so
+        closing needs no decode thread: it works while the pool shuts down too.
+        """
         self.cancel()
+        for batch, row in self._pool.drop(self):
+            batch.skip_row(row)
         with self.cond:
             unsent = [b.number for seq, b in self._batches.items() if seq >= self._next_out]
             self.cond.wait_for(lambda: all(b.done for b in self._batches.values()))

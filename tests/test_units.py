@@ -43,7 +43,7 @@ def test_data_roots_confine_names(tmp_path):
 
 
 def test_ring_leases_each_slot_once_until_released():
-    layout = BatchLayout(batch_size=4, height=2, width=3, with_labels=True)
+    layout = BatchLayout(4, [("image", np.uint8, (3, 2, 3)), ("label", np.int64, ())])
     assert layout.slot_bytes % 4096 == 0
     ring = SlotRing(bytearray(3 * layout.slot_bytes), 3, layout.slot_bytes)
     slots = [ring.lease(seq) for seq in range(3)]

@@ -24,15 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gpufeed/v1/feed.proto\x12\ngpufeed.v1\"\r\n\x0bInfoRequest\"\xc2\x01\n\x0cInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x03(\t\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.gpufeed.v1.Transport\x12\x12\n\ndata_roots\x18\x04 \x03(\t\x12\'\n\tshm_probe\x18\x05 \x01(\x0b\x32\x14.gpufeed.v1.ShmProbe\x12\x16\n\x0e\x64\x65\x63ode_threads\x18\x06 \x01(\x05\x12\x10\n\x08gpu_uuid\x18\x07 \x01(\t\"\'\n\x08ShmProbe\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"\x94\x01\n\rClientMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.gpufeed.v1.StreamRequestH\x00\x12(\n\x08\x61ttached\x18\x02 \x01(\x0b\x32\x14.gpufeed.v1.AttachedH\x00\x12&\n\x07release\x18\x03 \x01(\x0b\x32\x13.gpufeed.v1.ReleaseH\x00\x42\x06\n\x04kind\"\xa7\x03\n\rStreamRequest\x12%\n\x05\x66iles\x18\x01 \x01(\x0b\x32\x14.gpufeed.v1.FileListH\x00\x12\x13\n\tlist_file\x18\x02 \x01(\tH\x00\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\x0e\n\x06labels\x18\x04 \x03(\x03\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12&\n\x06output\x18\x06 \x01(\x0b\x32\x16.gpufeed.v1.OutputSpec\x12\x11\n\tdrop_last\x18\x07 \x01(\x08\x12\x0f\n\x07shuffle\x18\x08 \x01(\x08\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\r\n\x05\x65poch\x18\n \x01(\x04\x12\x0c\n\x04rank\x18\x0b \x01(\x05\x12\x12\n\nworld_size\x18\x0c \x01(\x05\x12(\n\ttransport\x18\r \x01(\x0e\x32\x15.gpufeed.v1.Transport\x12\x10\n\x08prefetch\x18\x0e \x01(\x05\x12\x13\n\x0bstart_batch\x18\x0f \x01(\x03\x12\x14\n\x0cmax_failures\x18\x10 \x01(\x03\x12\x1c\n\x14max_failure_fraction\x18\x11 \x01(\x02\x12\x0b\n\x03job\x18\x12 \x01(\tB\t\n\x07samples\"\x19\n\x08\x46ileList\x12\r\n\x05paths\x18\x01 \x03(\t\"+\n\nOutputSpec\x12\x0e\n\x06height\x18\x01 \x01(\x05\x12\r\n\x05width\x18\x02 \x01(\x05\"\n\n\x08\x41ttached\"-\n\x07Release\x12\x0c\n\x04seqs\x18\x01 \x03(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"g\n\rServerMessage\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.gpufeed.v1.StreamHeaderH\x00\x12\"\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x11.gpufeed.v1.BatchH\x00\x42\x06\n\x04kind\"\xc2\x01\n\x0cStreamHeader\x12(\n\ttransport\x18\x01 \x01(\x0e\x32\x15.gpufeed.v1.Transport\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x11\n\tnum_slots\x18\x03 \x01(\x05\x12\x12\n\nslot_bytes\x18\x04 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x03\x12\x13\n\x0bnum_batches\x18\x06 \x01(\x03\x12%\n\x08\x63uda_ipc\x18\x07 \x01(\x0b\x32\x13.gpufeed.v1.CudaIpc\"\xe1\x01\n\x07\x43udaIpc\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x16\n\x0estorage_handle\x18\x02 \x01(\x0c\x12\x14\n\x0cstorage_size\x18\x03 \x01(\x03\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x13\n\x0bslot_events\x18\t \x03(\x0c\"H\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\".\n\rSampleFailure\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x86\x01\n\x05\x42\x61tch\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.gpufeed.v1.TensorMeta\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12+\n\x08\x66\x61ilures\x18\x05 \x03(\x0b\x32\x19.gpufeed.v1.SampleFailure*`\n\tTransport\x12\x12\n\x0eTRANSPORT_AUTO\x10\x00\x12\x14\n\x10TRANSPORT_INLINE\x10\x01\x12\x11\n\rTRANSPORT_SHM\x10\x02\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x03\x32\x85\x01\n\x04\x46\x65\x65\x64\x12\x39\n\x04Info\x12\x17.gpufeed.v1.InfoRequest\x1a\x18.gpufeed.v1.InfoResponse\x12\x42\n\x06Stream\x12\x19.gpufeed.v1.ClientMessage\x1a\x19.gpufeed.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15gpufeed/v1/feed.proto\x12\ngpufeed.v1\"\r\n\x0bInfoRequest\"\xc2\x01\n\x0cInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x03(\t\x12)\n\ntransports\x18\x03 \x03(\x0e\x32\x15.gpufeed.v1.Transport\x12\x12\n\ndata_roots\x18\x04 \x03(\t\x12\'\n\tshm_probe\x18\x05 \x01(\x0b\x32\x14.gpufeed.v1.ShmProbe\x12\x16\n\x0e\x64\x65\x63ode_threads\x18\x06 \x01(\x05\x12\x10\n\x08gpu_uuid\x18\x07 \x01(\t\"\'\n\x08ShmProbe\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"\x94\x01\n\rClientMessage\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.gpufeed.v1.StreamRequestH\x00\x12(\n\x08\x61ttached\x18\x02 \x01(\x0b\x32\x14.gpufeed.v1.AttachedH\x00\x12&\n\x07release\x18\x03 \x01(\x0b\x32\x13.gpufeed.v1.ReleaseH\x00\x42\x06\n\x04kind\"\xd6\x03\n\rStreamRequest\x12%\n\x05\x66iles\x18\x01 \x01(\x0b\x32\x14.gpufeed.v1.FileListH\x00\x12\x13\n\tlist_file\x18\x02 \x01(\tH\x00\x12\x0e\n\x06prefix\x18\x03 \x01(\t\x12\x0e\n\x06labels\x18\x04 \x03(\x03\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12&\n\x06output\x18\x06 \x01(\x0b\x32\x16.gpufeed.v1.OutputSpec\x12\x11\n\tdrop_last\x18\x07 \x01(\x08\x12\x0f\n\x07shuffle\x18\x08 \x01(\x08\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\r\n\x05\x65poch\x18\n \x01(\x04\x12\x0c\n\x04rank\x18\x0b \x01(\x05\x12\x12\n\nworld_size\x18\x0c \x01(\x05\x12(\n\ttransport\x18\r \x01(\x0e\x32\x15.gpufeed.v1.Transport\x12\x10\n\x08prefetch\x18\x0e \x01(\x05\x12\x13\n\x0bstart_batch\x18\x0f \x01(\x03\x12\x14\n\x0cmax_failures\x18\x10 \x01(\x03\x12\x1c\n\x14max_failure_fraction\x18\x11 \x01(\x02\x12\x0b\n\x03job\x18\x12 \x01(\t\x12-\n\x0clabel_source\x18\x13 \x01(\x0e\x32\x17.gpufeed.v1.LabelSourceB\t\n\x07samples\"\x19\n\x08\x46ileList\x12\r\n\x05paths\x18\x01 \x03(\t\"\x99\x02\n\nOutputSpec\x12\x0e\n\x06height\x18\x01 \x01(\x05\x12\r\n\x05width\x18\x02 \x01(\x05\x12\"\n\x06resize\x18\x03 \x01(\x0e\x32\x12.gpufeed.v1.Resize\x12\x14\n\x0cshorter_side\x18\x04 \x01(\x05\x12\x11\n\tscale_min\x18\x05 \x01(\x02\x12\x11\n\tscale_max\x18\x06 \x01(\x02\x12\x11\n\tratio_min\x18\x07 \x01(\x02\x12\x11\n\tratio_max\x18\x08 \x01(\x02\x12\x18\n\x10\x66lip_probability\x18\t \x01(\x02\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0c\n\x04mean\x18\x0b \x03(\x02\x12\x0b\n\x03std\x18\x0c \x03(\x02\x12\"\n\x06layout\x18\r \x01(\x0e\x32\x12.gpufeed.v1.Layout\"\n\n\x08\x41ttached\"-\n\x07Release\x12\x0c\n\x04seqs\x18\x01 \x03(\x03\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"g\n\rServerMessage\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.gpufeed.v1.StreamHeaderH\x00\x12\"\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x11.gpufeed.v1.BatchH\x00\x42\x06\n\x04kind\"\xd3\x01\n\x0cStreamHeader\x12(\n\ttransport\x18\x01 \x01(\x0e\x32\x15.gpufeed.v1.Transport\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x11\n\tnum_slots\x18\x03 \x01(\x05\x12\x12\n\nslot_bytes\x18\x04 \x01(\x03\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x03\x12\x13\n\x0bnum_batches\x18\x06 \x01(\x03\x12%\n\x08\x63uda_ipc\x18\x07 \x01(\x0b\x32\x13.gpufeed.v1.CudaIpc\x12\x0f\n\x07\x63lasses\x18\x08 \x03(\t\"\xe1\x01\n\x07\x43udaIpc\x12\x10\n\x08gpu_uuid\x18\x01 \x01(\t\x12\x16\n\x0estorage_handle\x18\x02 \x01(\x0c\x12\x14\n\x0cstorage_size\x18\x03 \x01(\x03\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x13\n\x0bslot_events\x18\t \x03(\x0c\"H\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\".\n\rSampleFailure\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x86\x01\n\x05\x42\x61tch\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.gpufeed.v1.TensorMeta\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12+\n\x08\x66\x61ilures\x18\x05 \x03(\x0b\x32\x19.gpufeed.v1.SampleFailure*`\n\tTransport\x12\x12\n\x0eTRANSPORT_AUTO\x10\x00\x12\x14\n\x10TRANSPORT_INLINE\x10\x01\x12\x11\n\rTRANSPORT_SHM\x10\x02\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x03*Y\n\x0bLabelSource\x12\x17\n\x13LABELS_FROM_REQUEST\x10\x00\x12\x19\n\x15LABELS_FROM_LIST_FILE\x10\x01\x12\x16\n\x12LABELS_FROM_FOLDER\x10\x02*[\n\x06Resize\x12\x11\n\rRESIZE_SQUASH\x10\x00\x12\x1e\n\x1aRESIZE_SHORTER_CENTER_CROP\x10\x01\x12\x1e\n\x1aRESIZE_RANDOM_RESIZED_CROP\x10\x02**\n\x06Layout\x12\x0f\n\x0bLAYOUT_NCHW\x10\x00\x12\x0f\n\x0bLAYOUT_NHWC\x10\x01\x32\x85\x01\n\x04\x46\x65\x65\x64\x12\x39\n\x04Info\x12\x17.gpufeed.v1.InfoRequest\x1a\x18.gpufeed.v1.InfoResponse\x12\x42\n\x06Stream\x12\x19.gpufeed.v1.ClientMessage\x1a\x19.gpufeed.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpufeed.v1.feed_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORT']._serialized_start=1787
-  _globals['_TRANSPORT']._serialized_end=1883
+  _globals['_TRANSPORT']._serialized_start=2090
+  _globals['_TRANSPORT']._serialized_end=2186
+  _globals['_LABELSOURCE']._serialized_start=2188
+  _globals['_LABELSOURCE']._serialized_end=2277
+  _globals['_RESIZE']._serialized_start=2279
+  _globals['_RESIZE']._serialized_end=2370
+  _globals['_LAYOUT']._serialized_start=2372
+  _globals['_LAYOUT']._serialized_end=2414
   _globals['_INFOREQUEST']._serialized_start=37
   _globals['_INFOREQUEST']._serialized_end=50
   _globals['_INFORESPONSE']._serialized_start=53
@@ -42,27 +48,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLIENTMESSAGE']._serialized_start=291
   _globals['_CLIENTMESSAGE']._serialized_end=439
   _globals['_STREAMREQUEST']._serialized_start=442
-  _globals['_STREAMREQUEST']._serialized_end=865
-  _globals['_FILELIST']._serialized_start=867
-  _globals['_FILELIST']._serialized_end=892
-  _globals['_OUTPUTSPEC']._serialized_start=894
-  _globals['_OUTPUTSPEC']._serialized_end=937
-  _globals['_ATTACHED']._serialized_start=939
-  _globals['_ATTACHED']._serialized_end=949
-  _globals['_RELEASE']._serialized_start=951
-  _globals['_RELEASE']._serialized_end=996
-  _globals['_SERVERMESSAGE']._serialized_start=998
-  _globals['_SERVERMESSAGE']._serialized_end=1101
-  _globals['_STREAMHEADER']._serialized_start=1104
-  _globals['_STREAMHEADER']._serialized_end=1298
-  _globals['_CUDAIPC']._serialized_start=1301
-  _globals['_CUDAIPC']._serialized_end=1526
-  _globals['_TENSORMETA']._serialized_start=1528
-  _globals['_TENSORMETA']._serialized_end=1600
-  _globals['_SAMPLEFAILURE']._serialized_start=1602
-  _globals['_SAMPLEFAILURE']._serialized_end=1648
-  _globals['_BATCH']._serialized_start=1651
-  _globals['_BATCH']._serialized_end=1785
-  _globals['_FEED']._serialized_start=1886
-  _globals['_FEED']._serialized_end=2019
+  _globals['_STREAMREQUEST']._serialized_end=912
+  _globals['_FILELIST']._serialized_start=914
+  _globals['_FILELIST']._serialized_end=939
+  _globals['_OUTPUTSPEC']._serialized_start=942
+  _globals['_OUTPUTSPEC']._serialized_end=1223
+  _globals['_ATTACHED']._serialized_start=1225
+  _globals['_ATTACHED']._serialized_end=1235
+  _globals['_RELEASE']._serialized_start=1237
+  _globals['_RELEASE']._serialized_end=1282
+  _globals['_SERVERMESSAGE']._serialized_start=1284
+  _globals['_SERVERMESSAGE']._serialized_end=1387
+  _globals['_STREAMHEADER']._serialized_start=1390
+  _globals['_STREAMHEADER']._serialized_end=1601
+  _globals['_CUDAIPC']._serialized_start=1604
+  _globals['_CUDAIPC']._serialized_end=1829
+  _globals['_TENSORMETA']._serialized_start=1831
+  _globals['_TENSORMETA']._serialized_end=1903
+  _globals['_SAMPLEFAILURE']._serialized_start=1905
+  _globals['_SAMPLEFAILURE']._serialized_end=1951
+  _globals['_BATCH']._serialized_start=1954
+  _globals['_BATCH']._serialized_end=2088
+  _globals['_FEED']._serialized_start=2417
+  _globals['_FEED']._serialized_end=2550
 # @@protoc_insertion_point(module_scope)

@@ -13,10 +13,35 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_INLINE: _ClassVar[Transport]
     TRANSPORT_SHM: _ClassVar[Transport]
     TRANSPORT_CUDA_IPC: _ClassVar[Transport]
+
+class LabelSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LABELS_FROM_REQUEST: _ClassVar[LabelSource]
+    LABELS_FROM_LIST_FILE: _ClassVar[LabelSource]
+    LABELS_FROM_FOLDER: _ClassVar[LabelSource]
+
+class Resize(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESIZE_SQUASH: _ClassVar[Resize]
+    RESIZE_SHORTER_CENTER_CROP: _ClassVar[Resize]
+    RESIZE_RANDOM_RESIZED_CROP: _ClassVar[Resize]
+
+class Layout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LAYOUT_NCHW: _ClassVar[Layout]
+    LAYOUT_NHWC: _ClassVar[Layout]
 TRANSPORT_AUTO: Transport
 TRANSPORT_INLINE: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_CUDA_IPC: Transport
+LABELS_FROM_REQUEST: LabelSource
+LABELS_FROM_LIST_FILE: LabelSource
+LABELS_FROM_FOLDER: LabelSource
+RESIZE_SQUASH: Resize
+RESIZE_SHORTER_CENTER_CROP: Resize
+RESIZE_RANDOM_RESIZED_CROP: Resize
+LAYOUT_NCHW: Layout
+LAYOUT_NHWC: Layout
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -59,7 +84,7 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[StreamRequest, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job")
+    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job", "label_source")
     FILES_FIELD_NUMBER: _ClassVar[int]
     LIST_FILE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +103,7 @@ class StreamRequest(_message.Message):
     MAX_FAILURES_FIELD_NUMBER: _ClassVar[int]
     MAX_FAILURE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    LABEL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     files: FileList
     list_file: str
     prefix: str
@@ -96,7 +122,8 @@ class StreamRequest(_message.Message):
     max_failures: int
     max_failure_fraction: float
     job: str
-    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ...) -> None: ...
+    label_source: LabelSource
+    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ..., label_source: _Optional[_Union[LabelSource, str]] = ...) -> None: ...
 
 class FileList(_message.Message):
     __slots__ = ("paths",)
@@ -105,12 +132,34 @@ class FileList(_message.Message):
     def __init__(self, paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OutputSpec(_message.Message):
-    __slots__ = ("height", "width")
+    __slots__ = ("height", "width", "resize", "shorter_side", "scale_min", "scale_max", "ratio_min", "ratio_max", "flip_probability", "dtype", "mean", "std", "layout")
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    SHORTER_SIDE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_MIN_FIELD_NUMBER: _ClassVar[int]
+    SCALE_MAX_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MIN_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MAX_FIELD_NUMBER: _ClassVar[int]
+    FLIP_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     height: int
     width: int
-    def __init__(self, height: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
+    resize: Resize
+    shorter_side: int
+    scale_min: float
+    scale_max: float
+    ratio_min: float
+    ratio_max: float
+    flip_probability: float
+    dtype: str
+    mean: _containers.RepeatedScalarFieldContainer[float]
+    std: _containers.RepeatedScalarFieldContainer[float]
+    layout: Layout
+    def __init__(self, height: _Optional[int] = ..., width: _Optional[int] = ..., resize: _Optional[_Union[Resize, str]] = ..., shorter_side: _Optional[int] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., flip_probability: _Optional[float] = ..., dtype: _Optional[str] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., layout: _Optional[_Union[Layout, str]] = ...) -> None: ...
 
 class Attached(_message.Message):
     __slots__ = ()
@@ -133,7 +182,7 @@ class ServerMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("transport", "shm_name", "num_slots", "slot_bytes", "num_samples", "num_batches", "cuda_ipc")
+    __slots__ = ("transport", "shm_name", "num_slots", "slot_bytes", "num_samples", "num_batches", "cuda_ipc", "classes")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +190,7 @@ class StreamHeader(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     shm_name: str
     num_slots: int
@@ -148,7 +198,8 @@ class StreamHeader(_message.Message):
     num_samples: int
     num_batches: int
     cuda_ipc: CudaIpc
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., shm_name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_batches: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ...) -> None: ...
+    classes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., shm_name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_batches: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CudaIpc(_message.Message):
     __slots__ = ("gpu_uuid", "storage_handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "slot_events")

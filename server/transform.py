@@ -1,0 +1,185 @@
+"""What each image becomes: per-sample geometry before scaling, one batch pass after.
+
+Geometry (which window of the source lands in the output) is decided per
+sample on the CPU, from the source size, before the decoder scales: the decoder
+scales the whole image to ``Placement.scaled`` and copies out the window at
+``Placement.top/left``, so cropping costs no extra pass. The random choices of
+a sample (crop box, flip) come from a generator seeded with (seed, epoch,
+sample index): the same on every run, thread count and resume.
+
+Everything after the decode (flip, x / 255, normalisation, dtype, layout) is
+``finish_batch``: torch operations on whichever device holds the batch (the
+GPU with ``--device cuda:N``, the CPU otherwise), run once per batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from gpufeed.v1 import feed_pb2
+
+__all__ = ["OutputTransform", "Placement", "random_resized_crop_box", "sample_rng"]
+
+_DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "float16": torch.float16,
+           "bfloat16": torch.bfloat16}
+DTYPE_NAMES = tuple(_DTYPES)
+
+
+class Placement(NamedTuple):
+    """Scale the source to ``scaled_h x scaled_w``; the output is the window at (top, left)."""
+
+    scaled_h: int
+    scaled_w: int
+    top: int
+    left: int
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed, epoch, index])
+
+
+def random_resized_crop_box(rng: np.random.Generator, height: int, width: int,
+                            scale: tuple[float, float], ratio: tuple[float, float]
+                            ) -> tuple[int, int, int, int]:
+    """(top, left, h, w) of a crop as torchvision's RandomResizedCrop picks it.
+
+    Ten tries at an area fraction in ``scale`` and a log-uniform aspect in
+    ``ratio``; failing those, the largest centred crop within the ratio range.
+    """
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return top, left, h, w
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        h, w = height, int(round(height * ratio[1]))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _crop_placement(src_h: int, src_w: int, box: tuple[int, int, int, int],
+                    out_h: int, out_w: int) -> Placement:
+    """Scale the whole source so that ``box`` becomes exactly out_h x out_w."""
+    top, left, h, w = box
+    sy, sx = out_h / h, out_w / w
+    scaled_h, scaled_w = max(out_h, round(src_h * sy)), max(out_w, round(src_w * sx))
+    return Placement(scaled_h, scaled_w, min(round(top * sy), scaled_h - out_h),
+                     min(round(left * sx), scaled_w - out_w))
+
+
+class OutputTransform:
+    """One stream's OutputSpec, checked; ``ValueError`` names the field at fault."""
+
+    def __init__(self, spec: feed_pb2.OutputSpec, seed: int, epoch: int):
+        self.height, self.width = spec.height, spec.width
+        self.resize = spec.resize
+        self.seed, self.epoch = seed, epoch
+        self.flip_probability = spec.flip_probability
+        if not 0 <= spec.flip_probability <= 1:
+            raise ValueError(f"output.flip_probability must be in [0, 1], got {spec.flip_probability}")
+        self.shorter_side = spec.shorter_side or round(max(self.height, self.width) * 8 / 7)
+        if self.resize == feed_pb2.RESIZE_SHORTER_CENTER_CROP and \
+                self.shorter_side < max(self.height, self.width):
+            raise ValueError(f"output.shorter_side must be at least the output size, "
+                             f"got {self.shorter_side} for {self.height}x{self.width}")
+        self.scale = (spec.scale_min, spec.scale_max) if spec.scale_max else (0.08, 1.0)
+        self.ratio = (spec.ratio_min, spec.ratio_max) if spec.ratio_max else (3 / 4, 4 / 3)
+        if not 0 < self.scale[0] <= self.scale[1] <= 1:
+            raise ValueError(f"output.scale_min/scale_max must satisfy 0 < min <= max <= 1, "
+                             f"got {self.scale}")
+        if not 0 < self.ratio[0] <= self.ratio[1]:
+            raise ValueError(f"output.ratio_min/ratio_max must satisfy 0 < min <= max, "
+                             f"got {self.ratio}")
+        if spec.dtype and spec.dtype not in _DTYPES:
+            raise ValueError(f"output.dtype must be one of {', '.join(_DTYPES)}, got {spec.dtype!r}")
+        self.dtype = _DTYPES[spec.dtype or "uint8"]
+        if bool(spec.mean) != bool(spec.std) or len(spec.mean) not in (0, 3) or \
+                len(spec.std) not in (0, 3) or any(s <= 0 for s in spec.std):
+            raise ValueError("output.mean and output.std need three values each, std > 0")
+        if spec.mean and self.dtype == torch.uint8:
+            raise ValueError("output.mean/std need a float output.dtype")
+        self.mean, self.std = list(spec.mean), list(spec.std)
+        self.channels_last = spec.layout == feed_pb2.LAYOUT_NHWC
+        # The decoder writes uint8 NCHW; anything else needs a region of its own.
+        self.converts = self.dtype != torch.uint8 or self.channels_last
+
+    @property
+    def random(self) -> bool:
+        return self.resize == feed_pb2.RESIZE_RANDOM_RESIZED_CROP or self.flip_probability > 0
+
+    @property
+    def image_dtype(self) -> np.dtype:
+        return np.dtype(str(self.dtype).removeprefix("torch.")) if self.dtype != torch.bfloat16 \
+            else np.dtype("uint16")  # numpy has no bfloat16: same size, reinterpreted
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        if self.channels_last:
+            return self.height, self.width, 3
+        return 3, self.height, self.width
+
+    def choose(self, index: int) -> tuple[object, bool]:
+        """(placement rule, flip) for sample ``index``; the rule maps (src_h, src_w) to a Placement."""
+        rng = sample_rng(self.seed, self.epoch, index) if self.random else None
+        if self.resize == feed_pb2.RESIZE_SQUASH:
+            rule = None
+        elif self.resize == feed_pb2.RESIZE_SHORTER_CENTER_CROP:
+            rule = self._centre
+        else:
+            def rule(src_h: int, src_w: int, rng=rng) -> Placement:
+                box = random_resized_crop_box(rng, src_h, src_w, self.scale, self.ratio)
+                return _crop_placement(src_h, src_w, box, self.height, self.width)
+        # The flip is drawn from its own generator, so it does not depend on how
+        # many draws the crop took.
+        flip = bool(self.flip_probability and
+                    sample_rng(self.seed, self.epoch, -1 - index).random() < self.flip_probability)
+        return rule, flip
+
+    def _centre(self, src_h: int, src_w: int) -> Placement:
+        short = self.shorter_side
+        if src_h <= src_w:
+            scaled_h, scaled_w = short, int(short * src_w / src_h)
+        else:
+            scaled_h, scaled_w = int(short * src_h / src_w), short
+        return Placement(scaled_h, scaled_w, int(round((scaled_h - self.height) / 2.0)),
+                         int(round((scaled_w - self.width) / 2.0)))
+
+    def finish_batch(self, decoded: torch.Tensor, flips: torch.Tensor,
+                     image: torch.Tensor) -> None:
+        """The batch pass: flip, scale to [0, 1], normalise, cast, lay out, into ``image``.
+
+        ``decoded`` is uint8 [n, 3, H, W] on the batch's device (and may be
+        ``image`` itself when nothing but flips is asked); ``flips`` bool [n].
+        """
+        if flips.any():
+            decoded[flips] = decoded[flips].flip(-1)
+        if not self.converts:
+            return
+        x = decoded
+        if self.dtype != torch.uint8:
+            x = x.to(torch.float32)
+            if self.mean:
+                std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
+                mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
+                x = torch.addcmul(-mean / std, x, 1 / (255 * std))
+            else:
+                x = x.mul_(1 / 255)
+        target = image.view(self.dtype) if self.dtype == torch.bfloat16 else image
+        if self.channels_last:
+            target.copy_(x.permute(0, 2, 3, 1))
+        else:
+            target.copy_(x)
