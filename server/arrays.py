@@ -1,0 +1,163 @@
+"""Pre-computed arrays (.npy, .npz, torch .pt state dicts), read without pickle.
+
+A pickle can run arbitrary code, and gpufeed reads files it did not write, so
+nothing here runs a general unpickler: numpy loads with ``allow_pickle=False``
+(object arrays are refused) and torch with ``weights_only=True`` (its restricted
+unpickler rebuilds only tensors, containers and numbers). A file that would
+need more is a DecodeError that says so.
+
+``.npy`` files are memory-mapped when they are real files, so a sample's bytes
+are paged in once, straight into the batch copy, instead of being read into a
+temporary array first. ``.npz`` members are zip entries (possibly compressed)
+and are read whole.
+
+A batch is assembled by key: ``array_layout`` takes names, dtypes and per-sample
+shapes from the first sample, and ``check`` refuses any later sample that
+differs, naming the key and both layouts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import zipfile
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+import torch
+
+from .decode import DecodeError
+
+__all__ = ["ArraySpec", "array_layout", "check", "read_arrays"]
+
+_NEEDS_PICKLE = "object arrays need pickle, which gpufeed never loads"
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0,
+                   (2, 0): np.lib.format.read_array_header_2_0}
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """The dtype and per-sample shape every sample's array under one key must have."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one sample takes in a batch."""
+        return self.dtype.itemsize * math.prod(self.shape)
+
+    def __str__(self) -> str:
+        return f"{self.dtype} {list(self.shape)}"
+
+
+def read_arrays(file: BinaryIO | str | os.PathLike, suffix: str) -> dict[str, np.ndarray]:
+    """The arrays in one sample's file, by key; ``suffix`` (".npy", ".npz", ".pt") picks the format.
+
+    An ``.npy`` holds one array, returned under the key ``"array"``; it is
+    memory-mapped (read-only) when ``file`` is a path or a real file. An
+    ``.npz`` gives one entry per member, a ``.pt`` one per state-dict key (a
+    bare tensor is ``"array"``). Raises DecodeError for anything that would need
+    pickle, a corrupt file, or a .pt value that is not a tensor.
+    """
+    suffix = suffix.lower()
+    try:
+        if suffix == ".npy":
+            arrays = {"array": _read_npy(file)}
+        elif suffix == ".npz":
+            with np.load(file, allow_pickle=False) as npz:
+                arrays = {key: npz[key] for key in npz.files}
+        elif suffix in (".pt", ".pth"):
+            arrays = _read_torch(file)
+        else:
+            raise DecodeError(f"unsupported array file {suffix!r}: use .npy, .npz or .pt")
+    except (FileNotFoundError, PermissionError):
+        raise  # the caller reports these as read failures, not decode failures
+    except ValueError as e:  # numpy's word for "would need pickle", and for bad headers
+        raise DecodeError(_numpy_reason(str(e), suffix)) from None
+    except (EOFError, OSError, RuntimeError, KeyError, zipfile.BadZipFile) as e:
+        # Truncated files, bad zips (KeyError: a zip's missing member).
+        raise DecodeError(f"not a valid {suffix} file: {e}") from None
+    if not arrays:
+        raise DecodeError(f"no arrays in {suffix} file")
+    return arrays
+
+
+def array_layout(first: dict[str, np.ndarray]) -> dict[str, ArraySpec]:
+    """The layout a batch takes from its first sample: key → dtype and per-sample shape."""
+    return {key: ArraySpec(array.dtype, tuple(array.shape)) for key, array in first.items()}
+
+
+def check(sample: dict[str, np.ndarray], layout: dict[str, ArraySpec]) -> None:
+    """Raise DecodeError unless ``sample`` has exactly ``layout``'s keys, dtypes and shapes."""
+    if sample.keys() != layout.keys():
+        raise DecodeError(f"keys {sorted(sample)} differ from the first sample's {sorted(layout)}")
+    for key, spec in layout.items():
+        got = ArraySpec(sample[key].dtype, tuple(sample[key].shape))
+        if got != spec:
+            raise DecodeError(f"{key!r} is {got}, but the first sample's is {spec}")
+
+
+def _numpy_reason(message: str, suffix: str) -> str:
+    if "Object arrays" in message:
+        return _NEEDS_PICKLE
+    if "pickled" in message:  # np.load falls back to pickle for anything not .npy/.npz
+        return f"not a {suffix} file (anything else would need pickle, which gpufeed never loads)"
+    return f"not a valid {suffix} file: {message}"
+
+
+def _read_npy(file) -> np.ndarray:
+    if isinstance(file, (str, os.PathLike)):
+        with open(file, "rb") as f:
+            return _read_npy(f)
+    try:
+        file.fileno()
+    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError (BytesIO)
+        return np.load(file, allow_pickle=False)
+    return _map_npy(file)
+
+
+def _map_npy(f) -> np.ndarray:
+    """Memory-map the .npy in real file ``f`` (np.load's own mmap needs a path, not a file).
+
+    The mapping outlives ``f``: mmap keeps its own handle, so the caller may close it.
+    """
+    begin = f.tell()
+    read_header = _HEADER_READERS.get(np.lib.format.read_magic(f))
+    if read_header is None:  # a newer header version: let numpy parse it, unmapped
+        f.seek(begin)
+        return np.load(f, allow_pickle=False)
+    shape, fortran_order, dtype = read_header(f)
+    if dtype.hasobject:
+        raise DecodeError(_NEEDS_PICKLE)
+    if math.prod(shape) == 0:  # nothing to map (mmap refuses zero bytes)
+        return np.empty(shape, dtype)
+    return np.memmap(f, dtype=dtype, mode="r", offset=f.tell(), shape=shape,
+                     order="F" if fortran_order else "C")
+
+
+def _read_torch(file) -> dict[str, np.ndarray]:
+    # torch maps storages only from a path, and only in its zip format (not the
+    # pre-1.6 legacy one, which still loads, unmapped).
+    mmap = isinstance(file, (str, os.PathLike)) and zipfile.is_zipfile(file)
+    try:
+        loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError:
+        # torch says the same for a corrupt file and for one holding other objects.
+        raise DecodeError("not a weights-only .pt file: corrupt, or holds objects beyond "
+                          "tensors that need pickle, which gpufeed never loads") from None
+    if isinstance(loaded, torch.Tensor):
+        loaded = {"array": loaded}
+    if not isinstance(loaded, dict):
+        raise DecodeError(f"a .pt file must hold a state dict or a tensor, "
+                          f"not {type(loaded).__name__}")
+    arrays = {}
+    for key, value in loaded.items():
+        if not isinstance(value, torch.Tensor):
+            raise DecodeError(f"{key!r} holds {type(value).__name__}, not a tensor")
+        if value.dtype == torch.bfloat16:
+            raise DecodeError(f"{key!r} is bfloat16, which numpy has no dtype for")
+        arrays[str(key)] = value.detach().numpy()
+    return arrays
