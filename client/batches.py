@@ -35,10 +35,12 @@ Release = Callable[[int], None]  # gives batch seq's slot back to the server
 def _tensors(buffer: np.ndarray, metas) -> dict[str, torch.Tensor]:
     out = {}
     for meta in metas:
-        dtype = np.dtype(meta.dtype)
+        # numpy has no bfloat16: carry its bytes as uint16 and reinterpret in torch.
+        dtype = np.dtype(np.uint16 if meta.dtype == "bfloat16" else meta.dtype)
         count = int(np.prod(meta.shape))
         array = buffer[meta.offset:meta.offset + count * dtype.itemsize].view(dtype)
-        out[meta.name] = torch.from_numpy(array.reshape(tuple(meta.shape)))
+        tensor = torch.from_numpy(array.reshape(tuple(meta.shape)))
+        out[meta.name] = tensor.view(torch.bfloat16) if meta.dtype == "bfloat16" else tensor
     return out
 
 

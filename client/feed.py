@@ -15,6 +15,17 @@ __all__ = ["FeedClient"]
 
 _TRANSPORTS = {"auto": feed_pb2.TRANSPORT_AUTO, "inline": feed_pb2.TRANSPORT_INLINE,
                "shm": feed_pb2.TRANSPORT_SHM, "cuda_ipc": feed_pb2.TRANSPORT_CUDA_IPC}
+_RESIZES = {"squash": feed_pb2.RESIZE_SQUASH, "center_crop": feed_pb2.RESIZE_SHORTER_CENTER_CROP,
+            "random_resized_crop": feed_pb2.RESIZE_RANDOM_RESIZED_CROP}
+_LAYOUTS = {"NCHW": feed_pb2.LAYOUT_NCHW, "NHWC": feed_pb2.LAYOUT_NHWC}
+_LABEL_SOURCES = {"list_file": feed_pb2.LABELS_FROM_LIST_FILE,
+                  "folder": feed_pb2.LABELS_FROM_FOLDER}
+
+
+def _choice(name: str, value: str, choices: dict) -> int:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return choices[value]
 
 
 class FeedClient:
@@ -51,14 +62,30 @@ class FeedClient:
         return self.servers[0].info()
 
     def loader(self, files: Sequence[str] | str, *, batch_size: int, size: tuple[int, int],
-               prefix: str = "", labels: Sequence[int] | None = None, shuffle: bool = False,
-               seed: int = 0, epoch: int = 0, rank: int = 0, world_size: int = 1,
-               drop_last: bool = False, transport: str = "auto", prefetch: int = 0,
-               copy: bool = False, failure_budget: int | float = 0,
-               reconnect_timeout: float = 30.0, job: str = "") -> Loader:
+               prefix: str = "", labels: Sequence[int] | str | None = None,
+               shuffle: bool = False, seed: int = 0, epoch: int = 0, rank: int = 0,
+               world_size: int = 1, drop_last: bool = False, resize: str = "squash",
+               shorter_side: int = 0, scale: tuple[float, float] = (0.08, 1.0),
+               ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: float = 0.0,
+               dtype: str = "uint8", mean: Sequence[float] | None = None,
+               std: Sequence[float] | None = None, layout: str = "NCHW",
+               transport: str = "auto", prefetch: int = 0, copy: bool = False,
+               failure_budget: int | float = 0, reconnect_timeout: float = 30.0,
+               job: str = "") -> Loader:
         """A loader over ``files``: a list of paths, or the path of a list file on the server.
 
-        ``size`` is (height, width). ``prefetch`` is how many batches the server
+        ``labels``: one int per file, or "list_file" (the list file's lines are
+        ``path<TAB>label``), or "folder" (each file's parent folder is its class;
+        ``loader.classes`` lists them, sorted). ``size`` is (height, width).
+        ``resize``: "squash" (to exactly ``size``), "center_crop" (evaluation:
+        shorter side to ``shorter_side``, 0 meaning size * 8/7, then the centre)
+        or "random_resized_crop" (training, with ``scale`` and ``ratio`` ranges as
+        in torchvision). ``flip``: probability of a horizontal flip. ``dtype``:
+        "uint8", or "float32"/"float16"/"bfloat16" for x / 255, then (x - mean) /
+        std when ``mean`` and ``std`` are given. ``layout``: "NCHW" or "NHWC".
+        Random choices depend on (seed, epoch, sample) only. uint8 is 2-4x less
+        to move than floats: over inline (remote) transports prefer it and
+        normalise on the trainer's GPU. ``prefetch`` is how many batches the server
         may decode ahead (0: the server's default). ``copy=True`` makes shm
         batches owned tensors instead of views of shared memory.
         ``failure_budget``: how many samples may fail before the pass ends with
@@ -72,9 +99,17 @@ class FeedClient:
             raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
         if job and len(self.servers) > 1:
             raise ValueError("a shared job lives on one server; give FeedClient one address")
+        output = feed_pb2.OutputSpec(
+            height=size[0], width=size[1], resize=_choice("resize", resize, _RESIZES),
+            shorter_side=shorter_side, scale_min=scale[0], scale_max=scale[1],
+            ratio_min=ratio[0], ratio_max=ratio[1], flip_probability=flip, dtype=dtype,
+            mean=mean or [], std=std or [], layout=_choice("layout", layout, _LAYOUTS))
+        label_source = feed_pb2.LABELS_FROM_REQUEST
+        if isinstance(labels, str):
+            label_source, labels = _choice("labels", labels, _LABEL_SOURCES), None
         request = feed_pb2.StreamRequest(
-            prefix=prefix, labels=labels or [], batch_size=batch_size,
-            output=feed_pb2.OutputSpec(height=size[0], width=size[1]),
+            prefix=prefix, labels=labels or [], label_source=label_source,
+            batch_size=batch_size, output=output,
             drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank,
             world_size=world_size, transport=_TRANSPORTS[transport], prefetch=prefetch, job=job)
         if isinstance(failure_budget, float) and 0 < failure_budget < 1:

@@ -63,6 +63,7 @@ class Loader:
         self._reconnect_timeout = reconnect_timeout
         self._parts = [_Part(i) for i in range(len(servers))]
         self.transport: str | None = None  # of the stream opened last: "inline", "shm", ...
+        self.classes: list[str] = []  # with labels="folder": label i is classes[i]
         self.failures: list[tuple[int, str]] = []
 
     @property
@@ -166,6 +167,7 @@ class Loader:
         call = server.stub.Stream(iter(outbox.get, None), metadata=server.metadata)
         try:
             header = next(call).header
+            self.classes = list(header.classes)
             self.transport = feed_pb2.Transport.Name(header.transport).removeprefix("TRANSPORT_").lower()
             if header.transport == feed_pb2.TRANSPORT_SHM:
                 batches = ShmBatches(header, release, self._copy)

@@ -170,8 +170,8 @@ class ServerMetrics:
 
 
 def _itemsize(dtype: str) -> int:
-    """Bytes per element of a tensor's dtype as named on the wire (numpy's names)."""
-    return np.dtype(dtype).itemsize
+    """Bytes per element of a tensor's dtype as named on the wire (numpy's names, and bfloat16)."""
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
 class _LiveState(Collector):

@@ -202,7 +202,7 @@ def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.Batch:
     chunks, offset = [], 0
     for place in plan.layout.tensors:
         array = batch.arrays[place.name][:batch.rows]
-        message.tensors.add(name=place.name, dtype=place.dtype.name, shape=array.shape,
+        message.tensors.add(name=place.name, dtype=place.wire_dtype or place.dtype.name, shape=array.shape,
                             offset=offset if inline else place.offset)
         if inline and array.nbytes:
             chunks.append(memoryview(np.ascontiguousarray(array)).cast("B"))

@@ -13,6 +13,7 @@ variable guards the stream's state.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -31,6 +32,8 @@ from .request import StreamPlan
 from .ring import SlotRing
 
 __all__ = ["Batch", "Stream", "StreamCancelled"]
+
+_log = logging.getLogger(__name__)
 
 
 class StreamCancelled(Exception):
@@ -75,8 +78,8 @@ class Batch:
         failure = None
         if not stream.cancelled:
             index = int(self.indices[row])
-            place, self.arrays["flip"][row] = stream.plan.transform.choose(index)
             try:
+                place, self.arrays["flip"][row] = stream.plan.transform.choose(index)
                 with stream.metrics.stages["read"].time():
                     data = stream.roots.read(stream.plan.paths[index])
                 with stream.metrics.stages["decode"].time():
@@ -89,6 +92,9 @@ class Batch:
                 failure = f"read error: {os.strerror(e.errno) if e.errno else e}"
             except DecodeError as e:
                 failure = str(e)
+            except Exception as e:  # a bug: fail the sample, keep the stream, say so in the log
+                _log.exception("sample %d of %s", index, stream.plan.paths[index])
+                failure = f"internal error: {type(e).__name__}: {e}"
         with stream.cond:
             if failure is not None:
                 self.failures.append((row, failure))

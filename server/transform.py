@@ -38,8 +38,12 @@ class Placement(NamedTuple):
     left: int
 
 
-def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    return np.random.default_rng([seed, epoch, index])
+_CROP, _FLIP = 0, 1  # one generator per decision, so one's draws never shift another's
+
+
+def sample_rng(seed: int, epoch: int, index: int, decision: int = _CROP) -> np.random.Generator:
+    """The generator for one random decision about one sample of one epoch."""
+    return np.random.default_rng([seed, epoch, index, decision])
 
 
 def random_resized_crop_box(rng: np.random.Generator, height: int, width: int,
@@ -143,10 +147,8 @@ class OutputTransform:
             def rule(src_h: int, src_w: int, rng=rng) -> Placement:
                 box = random_resized_crop_box(rng, src_h, src_w, self.scale, self.ratio)
                 return _crop_placement(src_h, src_w, box, self.height, self.width)
-        # The flip is drawn from its own generator, so it does not depend on how
-        # many draws the crop took.
         flip = bool(self.flip_probability and
-                    sample_rng(self.seed, self.epoch, -1 - index).random() < self.flip_probability)
+                    sample_rng(self.seed, self.epoch, index, _FLIP).random() < self.flip_probability)
         return rule, flip
 
     def _centre(self, src_h: int, src_w: int) -> Placement:
