@@ -61,7 +61,8 @@ class FeedClient:
         """The first server's Info."""
         return self.servers[0].info()
 
-    def loader(self, files: Sequence[str] | str, *, batch_size: int, size: tuple[int, int],
+    def loader(self, files: Sequence[str] | str, *, batch_size: int,
+               size: tuple[int, int] | None = None,
                prefix: str = "", labels: Sequence[int] | str | None = None,
                shuffle: bool = False, seed: int = 0, epoch: int = 0, rank: int = 0,
                world_size: int = 1, drop_last: bool = False, resize: str = "squash",
@@ -69,6 +70,7 @@ class FeedClient:
                ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: float = 0.0,
                dtype: str = "uint8", mean: Sequence[float] | None = None,
                std: Sequence[float] | None = None, layout: str = "NCHW",
+               clip: tuple[int, int] | None = None, random_clip: bool = False,
                transport: str = "auto", prefetch: int = 0, copy: bool = False,
                failure_budget: int | float = 0, reconnect_timeout: float = 30.0,
                job: str = "") -> Loader:
@@ -83,7 +85,11 @@ class FeedClient:
         in torchvision). ``flip``: probability of a horizontal flip. ``dtype``:
         "uint8", or "float32"/"float16"/"bfloat16" for x / 255, then (x - mean) /
         std when ``mean`` and ``std`` are given. ``layout``: "NCHW" or "NHWC".
-        Random choices depend on (seed, epoch, sample) only. uint8 is 2-4x less
+        Random choices depend on (seed, epoch, sample) only. Video files need
+        ``clip=(frames, stride)``: each sample is ``image`` [frames, 3, H, W],
+        from a random start with ``random_clip`` (training), else centred.
+        Array files (.npy, .npz, .pt) need no ``size``: each key of the file is
+        a tensor of that name ("array" for .npy). uint8 is 2-4x less
         to move than floats: over inline (remote) transports prefer it and
         normalise on the trainer's GPU. ``prefetch`` is how many batches the server
         may decode ahead (0: the server's default). ``copy=True`` makes shm
@@ -99,8 +105,9 @@ class FeedClient:
             raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
         if job and len(self.servers) > 1:
             raise ValueError("a shared job lives on one server; give FeedClient one address")
+        height, width = size or (0, 0)
         output = feed_pb2.OutputSpec(
-            height=size[0], width=size[1], resize=_choice("resize", resize, _RESIZES),
+            height=height, width=width, resize=_choice("resize", resize, _RESIZES),
             shorter_side=shorter_side, scale_min=scale[0], scale_max=scale[1],
             ratio_min=ratio[0], ratio_max=ratio[1], flip_probability=flip, dtype=dtype,
             mean=mean or [], std=std or [], layout=_choice("layout", layout, _LAYOUTS))
@@ -110,6 +117,8 @@ class FeedClient:
         request = feed_pb2.StreamRequest(
             prefix=prefix, labels=labels or [], label_source=label_source,
             batch_size=batch_size, output=output,
+            clip=feed_pb2.ClipSpec(frames=clip[0], stride=clip[1], random_start=random_clip)
+            if clip else None,
             drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank,
             world_size=world_size, transport=_TRANSPORTS[transport], prefetch=prefetch, job=job)
         if isinstance(failure_budget, float) and 0 < failure_budget < 1:

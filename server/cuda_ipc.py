@@ -92,8 +92,9 @@ class DeviceRing:
         with torch.cuda.stream(self._copies):
             slot = self.device[start:start + self.slot_bytes]
             slot.copy_(self.host[start:start + self.slot_bytes], non_blocking=True)
-            arrays = plan.layout.views(slot)
-            rows = batch.rows
-            plan.transform.finish_batch(arrays.get("decoded", arrays["image"])[:rows],
-                                        arrays["flip"][:rows], arrays["image"][:rows])
+            if plan.transform is not None:
+                arrays = plan.layout.views(slot)
+                rows = batch.rows
+                plan.transform.finish_batch(arrays.get("decoded", arrays["image"])[:rows],
+                                            arrays["flip"][:rows], arrays["image"][:rows])
             self._ready[batch.slot].record(self._copies)

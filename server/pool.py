@@ -1,6 +1,6 @@
 """The decode pool: threads shared by every open stream, served in turn.
 
-Each thread owns one ``ImageDecoder`` (so one codec context per thread). Work
+Each thread owns its decoders (so one codec context per thread). Work
 is queued per stream, and threads take one row at a time from the streams in
 round-robin order: a stream with many batches queued (a large prefetch) gets
 the same share of decode as a stream with one, so it cannot starve it. Within
@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from typing import Protocol
 
-from .decode import ImageDecoder
+from .samples import Decoders
 
 __all__ = ["DecodePool", "RowTask"]
 
@@ -24,7 +24,7 @@ _log = logging.getLogger(__name__)
 
 
 class RowTask(Protocol):
-    def decode_row(self, row: int, decoder: ImageDecoder) -> None: ...
+    def decode_row(self, row: int, decoders: Decoders) -> None: ...
 
 
 class DecodePool:
@@ -86,10 +86,10 @@ class DecodePool:
             return task
 
     def _work(self) -> None:
-        decoder = ImageDecoder()
+        decoders = Decoders()
         while (task := self._next()) is not None:
             job, row = task
             try:
-                job.decode_row(row, decoder)
+                job.decode_row(row, decoders)
             except Exception:  # a bug, not bad data: keep the thread alive, say so
                 _log.exception("decode task failed")

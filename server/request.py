@@ -7,6 +7,7 @@ the list file, when one is named, is read here.
 
 from __future__ import annotations
 
+import os
 import posixpath
 from dataclasses import dataclass
 
@@ -16,8 +17,11 @@ import torch
 
 from gpufeed.v1 import feed_pb2
 
+from .arrays import read_arrays
+from .decode import DecodeError
 from .paths import DataRoots, OutsideDataRoots
 from .ring import BatchLayout
+from .samples import ARRAYS, VIDEO, ArrayRows, ImageRows, VideoRows, sample_kind
 from .source import shard_order, split_batches
 from .transform import OutputTransform
 
@@ -55,12 +59,14 @@ class StreamPlan:
     """Everything a stream needs, checked: located paths, labels, batches, output."""
 
     paths: list[str]
+    kind: str
+    reader: ImageRows | VideoRows | ArrayRows
     labels: np.ndarray | None
     classes: list[str]
     batches: list[np.ndarray]
     start_batch: int
     layout: BatchLayout
-    transform: OutputTransform
+    transform: OutputTransform | None
     transport: int
     prefetch: int
     max_failures: int
@@ -89,17 +95,20 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
         raise _invalid(f"samples: {len(names)} samples is over the limit of {limits.max_samples}")
     paths = _locate_all(names, req.prefix, roots)
     labels, classes = _labels(req, names, listed_labels)
+    try:
+        kind = sample_kind(names)
+    except ValueError as e:
+        raise _invalid(str(e)) from None
 
     if req.batch_size <= 0:
         raise _invalid(f"batch_size must be positive, got {req.batch_size}")
-    height, width = req.output.height, req.output.width
-    if not (0 < height <= _MAX_SIDE and 0 < width <= _MAX_SIDE):
-        raise _invalid(f"output: size must be within 1..{_MAX_SIDE} on each side, "
-                       f"got ({height}, {width})")
-    try:
-        transform = OutputTransform(req.output, req.seed, req.epoch)
-    except ValueError as e:
-        raise _invalid(str(e)) from None
+    if kind == ARRAYS:
+        transform = None
+        reader = ArrayRows(_first_arrays(paths[0], names[0], roots))
+        layout = _array_layout(req.batch_size, reader, labels is not None)
+    else:
+        transform, reader = _pixels(req, kind)
+        layout = _image_layout(req.batch_size, transform, labels is not None)
     world_size = req.world_size or 1
     if world_size < 0:
         raise _invalid(f"world_size must be positive, got {world_size}")
@@ -110,7 +119,6 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     if not 0 < prefetch <= limits.max_prefetch:
         raise _invalid(f"prefetch must be in 1..{limits.max_prefetch} (the server's "
                        f"--max-prefetch), got {prefetch}")
-    layout = _image_layout(req.batch_size, transform, labels is not None)
     if layout.slot_bytes > limits.max_batch_bytes:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"batch_size x output: a batch takes {layout.slot_bytes} bytes, over "
@@ -131,7 +139,8 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     if not 0 <= req.start_batch <= len(batches):
         raise _invalid(f"start_batch must be in 0..{len(batches)} (batches in this stream), "
                        f"got {req.start_batch}")
-    return StreamPlan(paths=paths, labels=labels, classes=classes, batches=batches,
+    return StreamPlan(paths=paths, kind=kind, reader=reader, labels=labels, classes=classes,
+                      batches=batches,
                       start_batch=req.start_batch, layout=layout, transform=transform,
                       transport=transport,
                       prefetch=prefetch, max_failures=_failure_budget(req, len(order), limits),
@@ -149,6 +158,62 @@ def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limit
     return max(count, int(fraction * num_samples))
 
 
+def _pixels(req: feed_pb2.StreamRequest, kind: str) -> tuple[OutputTransform, object]:
+    """The output transform and row reader of an image or video stream."""
+    height, width = req.output.height, req.output.width
+    if not (0 < height <= _MAX_SIDE and 0 < width <= _MAX_SIDE):
+        raise _invalid(f"output: size must be within 1..{_MAX_SIDE} on each side, "
+                       f"got ({height}, {width})")
+    clip = req.clip
+    if kind == VIDEO:
+        if clip.frames <= 0 or clip.stride < 0:
+            raise _invalid(f"clip: video samples need clip.frames > 0 (and stride >= 0), got "
+                           f"frames={clip.frames}, stride={clip.stride}")
+        if req.output.resize != feed_pb2.RESIZE_SQUASH:
+            raise _invalid("output.resize: video clips are squashed; crops are for images")
+    elif clip.frames:
+        raise _invalid("clip: only video samples take a clip spec")
+    try:
+        transform = OutputTransform(req.output, req.seed, req.epoch,
+                                    frames=clip.frames if kind == VIDEO else 0)
+    except ValueError as e:
+        raise _invalid(str(e)) from None
+    if kind == VIDEO:
+        return transform, VideoRows(transform, clip.frames, clip.stride or 1, clip.random_start)
+    return transform, ImageRows(transform)
+
+
+def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarray]:
+    """The first sample's arrays, which set the stream's layout."""
+    try:
+        with os.fdopen(roots.open_checked(path), "rb") as file:
+            first = read_arrays(file, posixpath.splitext(path)[1])
+    except OutsideDataRoots as e:
+        raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"samples[0]: {e}") from None
+    except FileNotFoundError:
+        raise RequestError(grpc.StatusCode.NOT_FOUND,
+                           f"samples[0]: {name!r} not found; the first array file sets the "
+                           f"batch layout") from None
+    except (OSError, DecodeError) as e:
+        raise _invalid(f"samples[0]: {name!r}: {e}") from None
+    for key, array in first.items():
+        if array.dtype.kind not in "biufc":
+            raise _invalid(f"samples[0]: {name!r}: {key!r} is {array.dtype}, which has no "
+                           f"tensor type")
+        if key in ("index", "label"):
+            raise _invalid(f"samples[0]: {name!r}: the key {key!r} is reserved for gpufeed's own "
+                           f"tensors; rename it")
+    return first
+
+
+def _array_layout(batch_size: int, reader: ArrayRows, with_labels: bool) -> BatchLayout:
+    arrays = [(key, spec.dtype, spec.shape) for key, spec in reader.layout.items()]
+    arrays.append(("index", np.int64, ()))
+    if with_labels:
+        arrays.append(("label", np.int64, ()))
+    return BatchLayout(batch_size, arrays)
+
+
 def _image_layout(batch_size: int, transform: OutputTransform, with_labels: bool) -> BatchLayout:
     """image (as asked), index, label; uint8 pixels and flips as working space when needed."""
     wire = "bfloat16" if transform.dtype == torch.bfloat16 else ""
@@ -159,7 +224,7 @@ def _image_layout(batch_size: int, transform: OutputTransform, with_labels: bool
     private = ["flip"]
     arrays.append(("flip", np.bool_, ()))
     if transform.converts:
-        arrays.append(("decoded", np.uint8, (3, transform.height, transform.width)))
+        arrays.append(("decoded", np.uint8, transform.decoded_shape))
         private.append("decoded")
     return BatchLayout(batch_size, arrays, tuple(private))
 

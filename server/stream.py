@@ -23,13 +23,14 @@ import grpc
 import numpy as np
 import torch
 
-from .decode import DecodeError, ImageDecoder
+from .decode import DecodeError
 from .jobs import OwnBatches, SharedJob
 from .metrics import ServerMetrics
 from .paths import DataRoots
 from .pool import DecodePool
 from .request import StreamPlan
 from .ring import SlotRing
+from .samples import Decoders
 
 __all__ = ["Batch", "Stream", "StreamCancelled"]
 
@@ -63,8 +64,6 @@ class Batch:
         indices = stream.plan.batches[number]
         self.indices = indices
         self.arrays = stream.plan.layout.views(stream.ring.slot(slot))
-        # Where the decoder writes: the image itself, or uint8 working space before a conversion.
-        self._pixels = self.arrays.get("decoded", self.arrays["image"])
         self.failures: list[tuple[int, str]] = []
         self.rows = len(indices)
         self._stream = stream
@@ -72,18 +71,15 @@ class Batch:
         self.done = False
         self._started = time.perf_counter()  # the batch stage's start
 
-    def decode_row(self, row: int, decoder: ImageDecoder) -> None:
-        """Decode sample ``indices[row]`` into row ``row`` (run by a decode thread)."""
+    def decode_row(self, row: int, decoders: Decoders) -> None:
+        """Read sample ``indices[row]`` into row ``row`` (run by a decode thread)."""
         stream = self._stream
         failure = None
         if not stream.cancelled:
             index = int(self.indices[row])
             try:
-                place, self.arrays["flip"][row] = stream.plan.transform.choose(index)
-                with stream.metrics.stages["read"].time():
-                    data = stream.roots.read(stream.plan.paths[index])
-                with stream.metrics.stages["decode"].time():
-                    decoder.decode_into(data, self._pixels[row], place)
+                stream.plan.reader.read_into(stream.roots, stream.plan.paths[index], index,
+                                             self.arrays, row, decoders, stream.metrics.stages)
             except FileNotFoundError:
                 failure = "file not found"
             except PermissionError as e:
@@ -122,18 +118,18 @@ class Batch:
             ok[row] = False
         self.failures = sorted((int(self.indices[row]), why) for row, why in self.failures)
         self.rows = rows = int(ok.sum())
-        flips = self.arrays["flip"]
         if rows < len(self.indices):
-            self._pixels[:rows] = self._pixels[:len(self.indices)][ok]
-            flips[:rows] = flips[:len(self.indices)][ok]
+            for array in self.arrays.values():
+                array[:rows] = array[:len(self.indices)][ok]
         kept = self.indices[ok]
         self.arrays["index"][:rows] = kept
         if plan.labels is not None:
             self.arrays["label"][:rows] = plan.labels[kept]
-        if self._stream.finish_on_host and not self._stream.cancelled:
-            plan.transform.finish_batch(torch.from_numpy(self._pixels[:rows]),
-                                        torch.from_numpy(flips[:rows]),
-                                        torch.from_numpy(self.arrays["image"][:rows]))
+        if plan.transform and self._stream.finish_on_host and not self._stream.cancelled:
+            image = self.arrays["image"]
+            plan.transform.finish_batch(torch.from_numpy(self.arrays.get("decoded", image)[:rows]),
+                                        torch.from_numpy(self.arrays["flip"][:rows]),
+                                        torch.from_numpy(image[:rows]))
         self._stream.metrics.stages["batch"].observe(time.perf_counter() - self._started)
 
 

@@ -38,7 +38,7 @@ class Placement(NamedTuple):
     left: int
 
 
-_CROP, _FLIP = 0, 1  # one generator per decision, so one's draws never shift another's
+_CROP, _FLIP, CLIP = 0, 1, 2  # one generator per decision: one's draws never shift another's
 
 
 def sample_rng(seed: int, epoch: int, index: int, decision: int = _CROP) -> np.random.Generator:
@@ -88,8 +88,9 @@ def _crop_placement(src_h: int, src_w: int, box: tuple[int, int, int, int],
 class OutputTransform:
     """One stream's OutputSpec, checked; ``ValueError`` names the field at fault."""
 
-    def __init__(self, spec: feed_pb2.OutputSpec, seed: int, epoch: int):
+    def __init__(self, spec: feed_pb2.OutputSpec, seed: int, epoch: int, frames: int = 0):
         self.height, self.width = spec.height, spec.width
+        self.frames = frames  # video: k frames per sample, each [3, H, W]; 0 for images
         self.resize = spec.resize
         self.seed, self.epoch = seed, epoch
         self.flip_probability = spec.flip_probability
@@ -131,10 +132,14 @@ class OutputTransform:
             else np.dtype("uint16")  # numpy has no bfloat16: same size, reinterpreted
 
     @property
-    def image_shape(self) -> tuple[int, int, int]:
-        if self.channels_last:
-            return self.height, self.width, 3
-        return 3, self.height, self.width
+    def image_shape(self) -> tuple[int, ...]:
+        frame = (self.height, self.width, 3) if self.channels_last else (3, self.height, self.width)
+        return (self.frames, *frame) if self.frames else frame
+
+    @property
+    def decoded_shape(self) -> tuple[int, ...]:
+        frame = (3, self.height, self.width)
+        return (self.frames, *frame) if self.frames else frame
 
     def choose(self, index: int) -> tuple[object, bool]:
         """(placement rule, flip) for sample ``index``; the rule maps (src_h, src_w) to a Placement."""
@@ -164,8 +169,9 @@ class OutputTransform:
                      image: torch.Tensor) -> None:
         """The batch pass: flip, scale to [0, 1], normalise, cast, lay out, into ``image``.
 
-        ``decoded`` is uint8 [n, 3, H, W] on the batch's device (and may be
-        ``image`` itself when nothing but flips is asked); ``flips`` bool [n].
+        ``decoded`` is uint8 [n, 3, H, W] (video: [n, k, 3, H, W]) on the
+        batch's device, and may be ``image`` itself when nothing but flips is
+        asked; ``flips`` is bool [n].
         """
         if flips.any():
             decoded[flips] = decoded[flips].flip(-1)
@@ -175,13 +181,10 @@ class OutputTransform:
         if self.dtype != torch.uint8:
             x = x.to(torch.float32)
             if self.mean:
-                std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
-                mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
+                std = torch.tensor(self.std, device=x.device).view(3, 1, 1)
+                mean = torch.tensor(self.mean, device=x.device).view(3, 1, 1)
                 x = torch.addcmul(-mean / std, x, 1 / (255 * std))
             else:
                 x = x.mul_(1 / 255)
         target = image.view(self.dtype) if self.dtype == torch.bfloat16 else image
-        if self.channels_last:
-            target.copy_(x.permute(0, 2, 3, 1))
-        else:
-            target.copy_(x)
+        target.copy_(x.movedim(-3, -1) if self.channels_last else x)

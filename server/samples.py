@@ -1,0 +1,108 @@
+"""What a sample is, by its file name, and how one is read into its row of a batch.
+
+A stream serves one kind: images (decoded and scaled into ``image``), video
+clips (k frames at a stride into ``image`` [k, 3, H, W]) or pre-computed arrays
+(each key of the file into an array of that name). A request that mixes kinds
+is refused. The readers run on decode threads; each thread has its own
+``Decoders``.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+
+import numpy as np
+
+from .arrays import array_layout, check, read_arrays
+from .decode import ImageDecoder
+from .paths import DataRoots
+from .transform import CLIP, OutputTransform, sample_rng
+from .video import VideoDecoder, centred_start, random_start
+
+__all__ = ["ArrayRows", "Decoders", "ImageRows", "VideoRows", "sample_kind"]
+
+IMAGE, VIDEO, ARRAYS = "image", "video", "arrays"
+_VIDEO = {".mp4", ".m4v", ".mkv", ".webm", ".avi", ".mov"}
+_ARRAYS = {".npy", ".npz", ".pt", ".pth"}
+
+
+def kind_of(name: str) -> str:
+    suffix = posixpath.splitext(name)[1].lower()
+    return VIDEO if suffix in _VIDEO else ARRAYS if suffix in _ARRAYS else IMAGE
+
+
+def sample_kind(names: list[str]) -> str:
+    """The one kind of every sample; ValueError naming two samples of different kinds."""
+    first = kind_of(names[0])
+    for name in names:
+        if kind_of(name) != first:
+            raise ValueError(f"samples: {names[0]!r} is {_a(first)} but {name!r} is "
+                             f"{_a(kind_of(name))}; one stream serves one kind")
+    return first
+
+
+def _a(kind: str) -> str:
+    return {IMAGE: "an image", VIDEO: "a video", ARRAYS: "an array file"}[kind]
+
+
+class Decoders:
+    """One decode thread's decoders, made when first needed."""
+
+    def __init__(self) -> None:
+        self.image = ImageDecoder()
+        self._video: VideoDecoder | None = None
+
+    @property
+    def video(self) -> VideoDecoder:
+        if self._video is None:
+            self._video = VideoDecoder()
+        return self._video
+
+
+class ImageRows:
+    def __init__(self, transform: OutputTransform):
+        self.transform = transform
+
+    def read_into(self, roots: DataRoots, path: str, index: int, arrays: dict, row: int,
+                  decoders: Decoders, stages) -> None:
+        place, arrays["flip"][row] = self.transform.choose(index)
+        with stages["read"].time():
+            data = roots.read(path)
+        with stages["decode"].time():
+            decoders.image.decode_into(data, arrays.get("decoded", arrays["image"])[row], place)
+
+
+class VideoRows:
+    """k frames at ``stride``: from a random start in training, centred otherwise."""
+
+    def __init__(self, transform: OutputTransform, clip_frames: int, stride: int,
+                 random_start: bool):
+        self.transform = transform
+        self.frames, self.stride, self.random_start = clip_frames, stride, random_start
+
+    def read_into(self, roots, path, index, arrays, row, decoders, stages) -> None:
+        _, arrays["flip"][row] = self.transform.choose(index)
+        k, stride = self.frames, self.stride
+        if self.random_start:
+            rng = sample_rng(self.transform.seed, self.transform.epoch, index, CLIP)
+            start = lambda n: random_start(n, k, stride, rng)  # noqa: E731
+        else:
+            start = lambda n: centred_start(n, k, stride)  # noqa: E731
+        with stages["decode"].time(), os.fdopen(roots.open_checked(path), "rb") as file:
+            decoders.video.decode_clip_into(file, arrays.get("decoded", arrays["image"])[row],
+                                            stride=stride, start=start)
+
+
+class ArrayRows:
+    """Each key of a sample's .npy/.npz/.pt into the batch array of that name."""
+
+    def __init__(self, first: dict[str, np.ndarray]):
+        self.layout = array_layout(first)
+
+    def read_into(self, roots, path, index, arrays, row, decoders, stages) -> None:
+        with stages["decode"].time(), os.fdopen(roots.open_checked(path), "rb") as file:
+            sample = read_arrays(file, posixpath.splitext(path)[1])
+            check(sample, self.layout)
+            for key, array in sample.items():
+                arrays[key][row] = array
