@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
 from .auth import TokenInterceptor, server_credentials
+from .decode import DEFAULT_MAX_PIXELS
 from .metrics import ServerMetrics
 from .paths import DataRoots
 from .pool import DecodePool
@@ -47,6 +48,8 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     # Largest client message (requests with long inline file lists).
     max_request_bytes: int = 64 << 20
+    # Images declaring more pixels are refused before decoding (decompression bombs).
+    max_pixels: int = DEFAULT_MAX_PIXELS
     # On SIGTERM, open streams get this long to finish before they end UNAVAILABLE.
     drain_seconds: float = 5.0
     # TLS (cert + key; client_ca also demands client certificates) and a bearer token.
@@ -78,7 +81,7 @@ class FeedServer:
 
             device = check_device(config.device)
         self._shm = ShmNamespace()
-        self._pool = DecodePool(config.threads)
+        self._pool = DecodePool(config.threads, config.max_pixels)
         try:
             self._build(config, device)
         except BaseException:  # a taken port, say: leave no thread or /dev/shm name behind

@@ -37,6 +37,8 @@ import av
 import numpy as np
 from av.video.reformatter import Interpolation, VideoReformatter
 
+from .headers import declared_size
+
 __all__ = ["DecodeError", "ImageDecoder"]
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -54,13 +56,29 @@ class DecodeError(Exception):
     """A sample that could not be decoded; the message says why, briefly."""
 
 
-class ImageDecoder:
-    """Decodes images into ``uint8 [3, H, W]`` rows. Not thread-safe: one per thread."""
+# Images over this many pixels are refused before decoding (gpufeed-server --max-pixels).
+DEFAULT_MAX_PIXELS = 100_000_000
 
-    def __init__(self) -> None:
+
+class ImageDecoder:
+    """Decodes images into ``uint8 [3, H, W]`` rows. Not thread-safe: one per thread.
+
+    What it does with unusual files: a JPEG that is truncated or damaged fails
+    (FFmpeg's ``err_detect=explode``) rather than arriving with grey blocks;
+    CMYK and grayscale JPEGs are converted to RGB; an alpha channel is dropped
+    (not composited), as Pillow's ``convert("RGB")`` does; 16-bit and palette
+    PNGs are converted; an animated GIF gives its first frame; the EXIF
+    orientation tag is ignored, as by Pillow's and torchvision's decoders by
+    default, so pixels arrive as stored. A file that declares more than
+    ``max_pixels`` pixels is refused before anything is allocated.
+    """
+
+    def __init__(self, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
         self._jpeg = av.CodecContext.create("mjpeg", "r")
         self._jpeg.thread_count = 1  # the pool's threads are the parallelism
+        self._jpeg.options = {"err_detect": "explode"}
         self._scaler = VideoReformatter()
+        self._max_pixels = max_pixels
 
     def decode_into(self, data: bytes, out: np.ndarray, place: Place | None = None) -> None:
         """Decode ``data``, scale it (bilinear) and write it into ``out`` of shape [3, H, W].
@@ -73,8 +91,14 @@ class ImageDecoder:
         if not data:
             raise DecodeError("empty file")
         _, height, width = out.shape
+        declared = declared_size(data)
+        if declared is not None:
+            self._check_size(*declared)
         try:
-            frame = self._decode_jpeg(data) if data.startswith(_JPEG_MAGIC) else _decode_other(data)
+            if data.startswith(_JPEG_MAGIC):
+                frame = self._decode_jpeg(data)
+            else:
+                frame = _decode_other(data, self._check_size)
             scaled_h, scaled_w, top, left = (place(frame.height, frame.width) if place
                                              else (height, width, 0, 0))
             rgb = self._scaler.reformat(frame, scaled_w, scaled_h, _GBRP, interpolation=_SCALER,
@@ -85,6 +109,11 @@ class ImageDecoder:
             pixels = np.frombuffer(plane, np.uint8).reshape(scaled_h, plane.line_size)
             out[row] = pixels[top:top + height, left:left + width]
 
+    def _check_size(self, width: int, height: int) -> None:
+        if width * height > self._max_pixels:
+            raise DecodeError(f"image declares {width}x{height} pixels, over the limit of "
+                              f"{self._max_pixels} (gpufeed-server --max-pixels)")
+
     def _decode_jpeg(self, data: bytes) -> av.VideoFrame:
         frames = self._jpeg.decode(av.Packet(data))
         if not frames:
@@ -92,10 +121,12 @@ class ImageDecoder:
         return frames[0]
 
 
-def _decode_other(data: bytes) -> av.VideoFrame:
+def _decode_other(data: bytes, check_size: Callable[[int, int], None]) -> av.VideoFrame:
     with av.open(io.BytesIO(data)) as container:
         if not container.streams.video:
             raise DecodeError("no image in file")
+        codec = container.streams.video[0].codec_context
+        check_size(codec.width, codec.height)  # as probed, before a frame is decoded
         for frame in container.decode(video=0):
             return frame
     raise DecodeError("no image in file")

@@ -16,6 +16,7 @@ import threading
 from collections import deque
 from typing import Protocol
 
+from .decode import DEFAULT_MAX_PIXELS
 from .samples import Decoders
 
 __all__ = ["DecodePool", "RowTask"]
@@ -28,8 +29,9 @@ class RowTask(Protocol):
 
 
 class DecodePool:
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, max_pixels: int = DEFAULT_MAX_PIXELS):
         self.threads = threads
+        self._max_pixels = max_pixels
         self._cond = threading.Condition()
         self._queues: dict[object, deque[tuple[RowTask, int]]] = {}
         self._turns: deque[object] = deque()  # streams with queued rows, next first
@@ -86,7 +88,7 @@ class DecodePool:
             return task
 
     def _work(self) -> None:
-        decoders = Decoders()
+        decoders = Decoders(self._max_pixels)
         while (task := self._next()) is not None:
             job, row = task
             try:

@@ -15,7 +15,7 @@ import posixpath
 import numpy as np
 
 from .arrays import array_layout, check, read_arrays
-from .decode import ImageDecoder
+from .decode import DEFAULT_MAX_PIXELS, ImageDecoder
 from .paths import DataRoots
 from .transform import CLIP, OutputTransform, sample_rng
 from .video import VideoDecoder, centred_start, random_start
@@ -49,8 +49,8 @@ def _a(kind: str) -> str:
 class Decoders:
     """One decode thread's decoders, made when first needed."""
 
-    def __init__(self) -> None:
-        self.image = ImageDecoder()
+    def __init__(self, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+        self.image = ImageDecoder(max_pixels)
         self._video: VideoDecoder | None = None
 
     @property

@@ -1,0 +1,119 @@
+"""A data set's worst files, mixed into good ones: each bad one fails alone, nothing else does."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gpufeed.client import FeedClient
+from gpufeed.server.demo import synthetic_photo
+from gpufeed.server.process import ServerProcess
+from support import MIN_PSNR_DB, psnr
+
+SIZE = (40, 48)
+
+
+def _save(image: Image.Image, fmt: str, **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **options)
+    return out.getvalue()
+
+
+def _png_bomb(width: int, height: int) -> bytes:
+    """A valid PNG header declaring width x height, with almost no data behind it."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + chunk(b"IEND", b""))
+
+
+def _jpeg_bomb(small_jpeg: bytes, width: int, height: int) -> bytes:
+    """A real JPEG whose frame header is rewritten to declare width x height."""
+    at = small_jpeg.index(b"\xff\xc0")
+    return small_jpeg[:at + 5] + struct.pack(">HH", height, width) + small_jpeg[at + 9:]
+
+
+def _exif_rotated(image: Image.Image) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    return _save(image, "JPEG", quality=90, exif=exif)
+
+
+def _animated_gif(frames: list[Image.Image]) -> bytes:
+    out = io.BytesIO()
+    frames[0].save(out, "GIF", save_all=True, append_images=frames[1:], duration=50, loop=0)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def odd_files(data_dir):
+    """name -> (bytes, None if it must fail, else the Pillow image it must look like)."""
+    rng = np.random.default_rng(5)
+    photo = Image.fromarray(synthetic_photo(rng, 90, 120))
+    rgba = photo.copy()
+    rgba.putalpha(Image.fromarray((np.arange(120)[None, :].repeat(90, 0) * 2).astype(np.uint8)))
+    good_jpeg = _save(photo, "JPEG", quality=90)
+    sixteen = Image.fromarray((np.asarray(photo.convert("L")).astype(np.uint16) * 257))
+    frames = [Image.fromarray(synthetic_photo(rng, 90, 120)) for _ in range(3)]
+    files = {
+        "truncated.jpg": (good_jpeg[:len(good_jpeg) // 2], None),
+        "empty.jpg": (b"", None),
+        "text.jpg": (b"not an image at all\n" * 50, None),
+        "bomb.jpg": (_jpeg_bomb(good_jpeg, 60000, 60000), None),
+        "bomb.png": (_png_bomb(50000, 50000), None),
+        "cmyk.jpg": (_save(photo.convert("CMYK"), "JPEG", quality=95), photo),
+        "gray.jpg": (_save(photo.convert("L"), "JPEG", quality=95), photo.convert("L")),
+        "progressive.jpg": (_save(photo, "JPEG", quality=90, progressive=True), photo),
+        "alpha.png": (_save(rgba, "PNG"), photo),
+        "16bit.png": (_save(sixteen, "PNG"), photo.convert("L")),
+        "palette.png": (_save(photo.quantize(64), "PNG"), photo.quantize(64)),
+        "animated.gif": (_animated_gif(frames), frames[0].quantize(256)),
+        "lossless.webp": (_save(photo, "WEBP", lossless=True), photo),
+        "image.bmp": (_save(photo, "BMP"), photo),
+        "image.tiff": (_save(photo, "TIFF"), photo),
+        "exif-rotated.jpg": (_exif_rotated(photo), photo),  # pixels as stored: no rotation
+    }
+    for name, (data, _) in files.items():
+        (data_dir / "odd" / name).parent.mkdir(exist_ok=True)
+        (data_dir / "odd" / name).write_bytes(data)
+    return files
+
+
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_bad_files_fail_alone_among_200_good(data_dir, image_names, odd_files):
+    names = [f"odd/{n}" for n in odd_files]
+    files = image_names[:100] + names + image_names[100:200]
+    with ServerProcess(["--data-root", str(data_dir), "--max-pixels", "50000000"]) as server, \
+            FeedClient(server.address) as feed:
+        loader = feed.loader(files=files, batch_size=16, size=SIZE, failure_budget=10,
+                             transport="shm")
+        got = {int(i): batch["image"][row].clone() for batch in loader
+               for row, i in enumerate(batch["index"])}
+        peak_mb = _peak_rss_mb(server.proc.pid)
+    failed = dict(loader.failures)
+    must_fail = {100 + k for k, (_, ref) in enumerate(odd_files.values()) if ref is None}
+    assert set(failed) == must_fail, failed
+    assert sorted(got) == sorted(set(range(len(files))) - must_fail)  # every other sample once
+    reasons = {names[i - 100]: failed[i] for i in failed}
+    assert reasons["odd/empty.jpg"] == "empty file"
+    assert "60000x60000" in reasons["odd/bomb.jpg"] and "--max-pixels" in reasons["odd/bomb.jpg"]
+    assert "50000x50000" in reasons["odd/bomb.png"]
+    # A decoded 60000 x 60000 frame alone would take 5.4 GB; nothing near was allocated.
+    assert peak_mb < 1000, peak_mb
+    for k, (name, (_, ref)) in enumerate(odd_files.items()):
+        if ref is not None:
+            want = np.asarray(ref.convert("RGB").resize(SIZE[::-1], Image.BILINEAR))
+            assert psnr(got[100 + k].numpy(), want.transpose(2, 0, 1)) >= MIN_PSNR_DB, name
