@@ -29,6 +29,7 @@ What it needs, and what goes wrong otherwise:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -66,8 +67,13 @@ def gpu_uuid(device: torch.device) -> str:
 class DeviceRing:
     """A pinned host ring and its device twin, exported once."""
 
-    def __init__(self, device: torch.device, num_slots: int, slot_bytes: int):
+    def __init__(self, device: torch.device, num_slots: int, slot_bytes: int,
+                 observe_copy: Callable[[float], None]):
         self.slot_bytes = slot_bytes
+        # Timing events around each slot's copy; read when the slot is next published,
+        # by which time the trainer has released it, so the copy is long finished.
+        self._timing = [None] * num_slots
+        self._observe_copy = observe_copy
         self.host = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=True)
         self.device = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=device)
         self._copies = torch.cuda.Stream(device)
@@ -89,9 +95,16 @@ class DeviceRing:
         """Copy the batch's slot to the device and run the batch pass there, on the side
         stream; the slot's event marks the result ready."""
         start = batch.slot * self.slot_bytes
+        if self._timing[batch.slot] is not None:
+            began, ended = self._timing[batch.slot]
+            self._observe_copy(began.elapsed_time(ended) / 1000)
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._timing[batch.slot] = began, ended
         with torch.cuda.stream(self._copies):
             slot = self.device[start:start + self.slot_bytes]
+            began.record(self._copies)
             slot.copy_(self.host[start:start + self.slot_bytes], non_blocking=True)
+            ended.record(self._copies)
             if plan.transform is not None:
                 arrays = plan.layout.views(slot)
                 rows = batch.rows

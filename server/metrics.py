@@ -205,8 +205,32 @@ class _LiveState(Collector):
         if self._pool is not None:
             yield GaugeMetricFamily("gpufeed_decode_queue_tasks", "Sample decodes waiting for "
                                     "a decode thread.", value=self._pool.queued())
+            yield from self._queues_by_stream(streams)
             yield GaugeMetricFamily("gpufeed_decode_threads", "Decode threads shared by all "
                                     "streams.", value=self._pool.threads)
+
+    def _queues_by_stream(self, streams):
+        """The deepest stream queue (fairness at a glance) and the queue of each shared job.
+
+        A job label per job name: jobs are few and named by operators. Private
+        streams are not labelled one by one, which would be unbounded.
+        """
+        queued = self._pool.queued_by_owner()
+        deepest = 0
+        jobs = GaugeMetricFamily("gpufeed_job_queue_tasks", "Sample decodes waiting, summed "
+                                 "over the consumers of each shared job.", labels=["job"])
+        by_job: dict[str, int] = {}
+        for stream, _ in streams:
+            rows = queued.get(stream, 0)
+            deepest = max(deepest, rows)
+            job = getattr(stream.source, "name", "")
+            if job:
+                by_job[job] = by_job.get(job, 0) + rows
+        for job, rows in sorted(by_job.items()):
+            jobs.add_metric([job], rows)
+        yield GaugeMetricFamily("gpufeed_stream_queue_tasks_max", "Sample decodes waiting for "
+                                "the one stream with the most.", value=deepest)
+        yield jobs
 
     def describe(self):
         # Collision checks at registration only need the names, not live values.

@@ -65,6 +65,11 @@ class DecodePool:
         with self._cond:
             return sum(len(queue) for queue in self._queues.values())
 
+    def queued_by_owner(self) -> dict[object, int]:
+        """Rows waiting, per stream that has any."""
+        with self._cond:
+            return {owner: len(queue) for owner, queue in self._queues.items()}
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

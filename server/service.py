@@ -120,7 +120,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         elif plan.transport == feed_pb2.TRANSPORT_CUDA_IPC:
             from .cuda_ipc import DeviceRing
 
-            device_ring = DeviceRing(self._device, plan.num_slots, plan.layout.slot_bytes)
+            device_ring = DeviceRing(self._device, plan.num_slots, plan.layout.slot_bytes,
+                                     self._metrics.stages["device_copy"].observe)
             buffer = device_ring.host_buffer()
         else:
             buffer = bytearray(slots_bytes)

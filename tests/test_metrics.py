@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufeed.client import FeedClient
@@ -331,3 +332,27 @@ def _one_sample_message() -> feed_pb2.ServerMessage:
     batch = feed_pb2.Batch(seq=0)
     batch.tensors.add(name="index", dtype="int64", shape=[1])
     return feed_pb2.ServerMessage(batch=batch)
+
+
+def test_queue_depth_per_stream_and_per_job():
+    """Streams' and jobs' queued decodes, read from a pool with no thread to drain it."""
+    from types import SimpleNamespace
+
+    from gpufeed.server.metrics import ServerMetrics
+    from gpufeed.server.pool import DecodePool
+
+    class Stream:  # what the collector reads of a stream: its source and its ring
+        def __init__(self, job: str = ""):
+            self.source = SimpleNamespace(name=job) if job else SimpleNamespace()
+            self.ring = SimpleNamespace(leased=lambda: 0)
+
+    pool = DecodePool(0)
+    metrics = ServerMetrics(pool)
+    private, consumers = Stream(), [Stream("train"), Stream("train")]
+    for stream, rows in zip([private, *consumers], (7, 3, 4)):
+        metrics.opened(stream, feed_pb2.TRANSPORT_SHM)
+        pool.submit(stream, None, range(rows))
+    text = generate_latest(metrics.registry).decode()
+    assert _value(text, "gpufeed_stream_queue_tasks_max") == 7
+    assert _value(text, "gpufeed_job_queue_tasks", job="train") == 7
+    assert _value(text, "gpufeed_decode_queue_tasks") == 14
