@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="largest batch, in bytes (default %(default)s)")
     p.add_argument("--max-samples", type=int, default=Limits.max_samples,
                    help="longest sample list a request may name (default %(default)s)")
+    p.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
+                   help="largest client message, i.e. request with its inline file list "
+                        "(default %(default)s)")
     p.add_argument("--max-pixels", type=int, default=ServerConfig.max_pixels,
                    help="refuse images declaring more pixels, before decoding "
                         "(decompression bombs; default %(default)s)")
@@ -66,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics_port=args.metrics_port, max_streams=args.max_streams,
             limits=Limits(max_prefetch=args.max_prefetch, max_batch_bytes=args.max_batch_bytes,
                           max_samples=args.max_samples, lease_timeout=args.lease_timeout),
-            max_pixels=args.max_pixels, drain_seconds=args.drain_seconds, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            max_request_bytes=args.max_request_bytes, max_pixels=args.max_pixels,
+            drain_seconds=args.drain_seconds, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
             token=read_token(args.token_file) if args.token_file else None,
         )

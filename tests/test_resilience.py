@@ -198,3 +198,44 @@ def test_auto_falls_back_to_inline_without_the_servers_shm(server):
         pytest.skip(f"cannot make a private /dev/shm here: {result.stderr.strip()}")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[[0, 1]] inline"
+
+
+_RESUMING_TRAINER = textwrap.dedent("""
+    import json, sys
+    from gpufeed.client import FeedClient
+    address, state, files = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
+    loader = FeedClient(address).loader(files=files, batch_size=8, size=(16, 16), shuffle=True,
+                                        seed=state["seed"])
+    loader.load_state_dict(state)
+    print(json.dumps([i for b in loader for i in b["index"].tolist()]))
+""")
+
+
+def test_a_new_trainer_process_resumes_from_a_saved_state(feed, server, image_names):
+    import json
+
+    files = image_names[:72]
+    full = _indices(feed.loader(files=files, batch_size=8, size=(16, 16), shuffle=True, seed=8,
+                                epoch=4))
+    first = feed.loader(files=files, batch_size=8, size=(16, 16), shuffle=True, seed=8, epoch=4)
+    taken = []
+    for k, batch in enumerate(first):
+        taken += batch["index"].tolist()
+        if k == 3:
+            break
+    state = json.dumps(first.state_dict())  # what a checkpoint would hold
+    result = subprocess.run([sys.executable, "-c", _RESUMING_TRAINER, server.address, state, *files],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert taken + json.loads(result.stdout) == full
+
+
+def test_a_request_over_the_size_limit_is_refused_naming_it(data_dir):
+    with ServerProcess(["--data-root", str(data_dir), "--max-request-bytes", "100000"]) as server, \
+            FeedClient(server.address) as feed:
+        with pytest.raises(FeedError) as info:
+            _indices(feed.loader(files=[f"img{i % 300:04d}.jpg" for i in range(20000)],
+                                 batch_size=8, size=(8, 8)))
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "100000" in str(info.value)
+        assert _indices(feed.loader(files=["img0000.jpg"], batch_size=1, size=(8, 8))) == [0]
