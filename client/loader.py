@@ -62,6 +62,9 @@ class Loader:
         self._copy = copy
         self._reconnect_timeout = reconnect_timeout
         self._parts = [_Part(i) for i in range(len(servers))]
+        # The last pass ran to its end: positions stay there (a checkpoint taken now
+        # resumes with nothing left of this epoch) until a new pass starts over.
+        self._completed = False
         self.transport: str | None = None  # of the stream opened last: "inline", "shm", ...
         self.classes: list[str] = []  # with labels="folder": label i is classes[i]
         self.failures: list[tuple[int, str]] = []
@@ -74,8 +77,7 @@ class Loader:
         """Use ``epoch`` (and its shuffle order) from the next pass on."""
         if epoch != self._request.epoch:
             self._request.epoch = epoch
-            for part in self._parts:
-                part.consumed = 0
+            self._start_over()
 
     def state_dict(self) -> dict:
         """{"epoch", "seed", "batches_consumed"}: an int, or one per server with several."""
@@ -95,8 +97,16 @@ class Loader:
         self._request.epoch = state["epoch"]
         for part, n in zip(self._parts, consumed):
             part.consumed = n
+        self._completed = False
+
+    def _start_over(self) -> None:
+        for part in self._parts:
+            part.consumed = 0
+        self._completed = False
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self._completed:  # iterating again without set_epoch: the same epoch again
+            self._start_over()
         self.failures = []
         streams = {part.index: self._part_batches(part) for part in self._parts}
         try:
@@ -112,8 +122,7 @@ class Loader:
         finally:
             for batches in streams.values():
                 batches.close()
-        for part in self._parts:  # the pass is complete: the next one starts the epoch over
-            part.consumed = 0
+        self._completed = True
 
     def _part_batches(self, part: _Part) -> Iterator[dict[str, torch.Tensor]]:
         """The part's batches to the end of the epoch, across reconnects and failovers."""

@@ -181,3 +181,18 @@ def test_short_shm_streams_are_mapped_before_the_server_lets_go(feed, image_name
     for _ in range(20):
         loader = feed.loader(files=image_names[:3], batch_size=1, size=(8, 8), transport="shm")
         assert [i for b in loader for i in b["index"].tolist()] == [0, 1, 2]
+
+
+def test_a_state_saved_at_the_end_of_an_epoch_resumes_with_nothing_left(feed, image_names):
+    files = image_names[:24]
+    loader = feed.loader(files=files, batch_size=8, size=(8, 8), shuffle=True, seed=1)
+    assert len([b for b in loader]) == 3
+    state = loader.state_dict()
+    assert state["batches_consumed"] == 3
+    again = [i for b in loader for i in b["index"].tolist()]  # no set_epoch: the same epoch
+    assert sorted(again) == list(range(24))
+    restored = feed.loader(files=files, batch_size=8, size=(8, 8), shuffle=True, seed=1)
+    restored.load_state_dict(state)
+    assert list(restored) == []  # the checkpointed epoch was complete
+    restored.set_epoch(1)
+    assert sorted(i for b in restored for i in b["index"].tolist()) == list(range(24))
