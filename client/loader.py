@@ -131,6 +131,8 @@ class Loader:
         while True:
             server = self._servers[part.server]
             try:
+                if outage_since is not None:  # a server that accepts TCP but never answers
+                    server.wait_ready(outage_since + self._reconnect_timeout - time.monotonic())
                 for batch in self._pass(part, server):
                     outage_since, backoff, tried = None, 0.05, 0
                     yield batch

@@ -23,6 +23,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 3000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Any ping (flow-control probes too) left unanswered this long ends the
+    # connection; gRPC's default is a minute, during which keepalive waits.
+    ("grpc.http2.ping_timeout_ms", 3000),
 ]
 
 
@@ -41,6 +44,14 @@ class Server:
 
     def close(self) -> None:
         self._channel.close()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until the channel is connected; FeedError UNAVAILABLE after ``timeout`` seconds."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=max(timeout, 0.01))
+        except grpc.FutureTimeoutError:
+            raise FeedError(grpc.StatusCode.UNAVAILABLE,
+                            f"gpufeed server at {self.address} did not answer") from None
 
     def info(self) -> feed_pb2.InfoResponse:
         try:

@@ -68,6 +68,7 @@ _GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.http2.ping_timeout_ms", 5_000),  # gRPC's default (a minute) would hold keepalive back
 ]
 
 

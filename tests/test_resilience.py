@@ -239,3 +239,21 @@ def test_a_request_over_the_size_limit_is_refused_naming_it(data_dir):
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "100000" in str(info.value)
         assert _indices(feed.loader(files=["img0000.jpg"], batch_size=1, size=(8, 8))) == [0]
+
+
+def test_a_frozen_server_is_an_error_not_a_hang(data_dir, image_names):
+    """SIGSTOP keeps the server's sockets open but silent, as a hung or unplugged host:
+    keepalive pings must notice (about 5 s) and the trainer must get an error."""
+    server = ServerProcess(["--data-root", str(data_dir)]).start()
+    try:
+        with FeedClient(server.address) as feed:
+            loader = feed.loader(files=image_names[:200], batch_size=4, size=(16, 16), prefetch=1,
+                                 reconnect_timeout=1)
+            with pytest.raises(FeedError) as info:
+                for k, _ in enumerate(loader):
+                    if k == 0:
+                        server.proc.send_signal(signal.SIGSTOP)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        server.kill()
