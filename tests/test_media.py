@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpufeed.client import FeedError
-from test_video import _encode, _frame_number
+from clips import encode_video, frame_number
 
 FRAMES = 40
 
@@ -21,13 +21,13 @@ def videos(data_dir):
     for i, (codec, fmt, ext) in enumerate([("libx264", "mp4", "mp4"),
                                           ("mpeg4", "matroska", "mkv")] * 3):
         name = f"clip{i}.{ext}"
-        (data_dir / name).write_bytes(_encode(FRAMES, codec, fmt))
+        (data_dir / name).write_bytes(encode_video(FRAMES, codec, fmt))
         names.append(name)
     return names
 
 
 def _numbers(clip: torch.Tensor) -> list[int]:
-    return [_frame_number(frame.numpy()) for frame in clip]
+    return [frame_number(frame.numpy()) for frame in clip]
 
 
 def test_centred_clips_have_k_frames_at_the_stride(feed, videos):

@@ -1,8 +1,7 @@
 """VideoDecoder: clips of k frames at a stride, on videos generated here with PyAV.
 
-Every frame shows its own number in binary: eight vertical bands, white for a
-1 bit and black for a 0, which survives compression and scaling. A small GOP
-(5 frames) makes most clips start between keyframes, so seeking matters.
+Every frame shows its own number (tests/clips.py), and a small GOP makes most
+clips start between keyframes, so seeking matters.
 """
 
 from __future__ import annotations
@@ -13,52 +12,16 @@ import av
 import numpy as np
 import pytest
 
+from clips import encode_video, frame_number
 from gpufeed.server.decode import DecodeError
 from gpufeed.server.video import VideoDecoder, centred_start, random_start
 
 FRAMES = 40
-GOP = 5
-SRC_W, SRC_H = 64, 48
 OUT_H, OUT_W = 24, 40  # squash to another aspect ratio
-BITS = 8
 
 # (codec, container format): x264 with B-frames in MP4 (frame count in the
 # header), MPEG-4 Part 2 in Matroska (no frame count: estimated from duration).
 FORMATS = [("libx264", "mp4"), ("libx264", "matroska"), ("mpeg4", "matroska"), ("mpeg4", "mp4")]
-
-
-def _frame_image(i: int) -> np.ndarray:
-    img = np.zeros((SRC_H, SRC_W, 3), np.uint8)
-    band = SRC_W // BITS
-    for b in range(BITS):
-        if (i >> b) & 1:
-            img[:, b * band:(b + 1) * band] = 255
-    return img
-
-
-def _encode(frames: int, codec: str, fmt: str, gop: int = GOP) -> bytes:
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=25)
-        stream.width, stream.height, stream.pix_fmt = SRC_W, SRC_H, "yuv420p"
-        stream.codec_context.gop_size = gop
-        if codec == "libx264":
-            stream.options = {"bf": "2", "keyint_min": str(gop), "sc_threshold": "0", "crf": "18"}
-        for i in range(frames):
-            frame = av.VideoFrame.from_ndarray(_frame_image(i), format="rgb24")
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
-
-
-def _frame_number(row: np.ndarray) -> int:
-    """Read the number back from a decoded [3, H, W] frame."""
-    grey = row.mean(axis=(0, 1))
-    band = OUT_W / BITS
-    bits = [grey[int((b + 0.5) * band)] > 127 for b in range(BITS)]
-    return sum(1 << b for b, bit in enumerate(bits) if bit)
 
 
 def _reference(data: bytes) -> np.ndarray:
@@ -76,7 +39,7 @@ def _reference(data: bytes) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=FORMATS, ids=lambda f: f"{f[0]}-{f[1]}")
 def video(request):
-    data = _encode(FRAMES, *request.param)
+    data = encode_video(FRAMES, *request.param)
     return data, _reference(data)
 
 
@@ -90,7 +53,7 @@ def _clip(data: bytes, k: int, stride: int, start, decoder: VideoDecoder | None 
 def test_reference_frames_read_back_in_order(video):
     _, reference = video
     assert len(reference) == FRAMES
-    assert [_frame_number(f) for f in reference] == list(range(FRAMES))
+    assert [frame_number(f) for f in reference] == list(range(FRAMES))
 
 
 @pytest.mark.parametrize("k,stride", [(1, 1), (4, 1), (3, 2), (4, 3), (3, 7)])
@@ -104,7 +67,7 @@ def test_every_start_gives_k_frames_at_the_stride(video, k, stride):
         out = _clip(data, k, stride, lambda n, first=first: (seen.append(n), first)[1], decoder)
         assert seen == [FRAMES]
         wanted = list(range(first, first + span, stride))
-        assert [_frame_number(f) for f in out] == wanted
+        assert [frame_number(f) for f in out] == wanted
         np.testing.assert_array_equal(out, reference[wanted])
 
 
@@ -113,14 +76,14 @@ def test_centred_and_random_starts(video):
     k, stride = 5, 3
     out = _clip(data, k, stride, lambda n: centred_start(n, k, stride))
     first = (FRAMES - 13) // 2
-    assert [_frame_number(f) for f in out] == list(range(first, first + 13, stride))
+    assert [frame_number(f) for f in out] == list(range(first, first + 13, stride))
 
     decoder = VideoDecoder()
     starts = set()
     for sample in range(20):
         rng = np.random.default_rng([0, 1, sample])  # seed, epoch, sample index
         out = _clip(data, k, stride, lambda n: random_start(n, k, stride, rng), decoder)
-        numbers = [_frame_number(f) for f in out]
+        numbers = [frame_number(f) for f in out]
         starts.add(numbers[0])
         assert numbers == list(range(numbers[0], numbers[0] + 13, stride))
         np.testing.assert_array_equal(out, reference[numbers])
@@ -138,7 +101,7 @@ def test_start_helpers():
 
 def test_clip_near_the_end_is_found_by_seeking(monkeypatch):
     """The last clip comes from one seek, not from decoding the file from frame 0."""
-    data = _encode(FRAMES, "libx264", "mp4")
+    data = encode_video(FRAMES, "libx264", "mp4")
     calls = []
     fill = VideoDecoder._fill
 
@@ -149,24 +112,24 @@ def test_clip_near_the_end_is_found_by_seeking(monkeypatch):
 
     monkeypatch.setattr(VideoDecoder, "_fill", spy)
     out = _clip(data, 3, 2, lambda n: n - 5)
-    assert [_frame_number(f) for f in out] == [35, 37, 39]
+    assert [frame_number(f) for f in out] == [35, 37, 39]
     assert calls == [(True, True)]
 
 
 def test_path_and_file_objects(tmp_path):
-    data = _encode(FRAMES, "libx264", "matroska")
+    data = encode_video(FRAMES, "libx264", "matroska")
     path = tmp_path / "clip.mkv"
     path.write_bytes(data)
     out = np.zeros((3, 3, OUT_H, OUT_W), np.uint8)
     VideoDecoder().decode_clip_into(str(path), out, stride=4, start=lambda n: 17)
-    assert [_frame_number(f) for f in out] == [17, 21, 25]
+    assert [frame_number(f) for f in out] == [17, 21, 25]
     with open(path, "rb") as f:
         VideoDecoder().decode_clip_into(f, out, stride=1, start=lambda n: 36)
-    assert [_frame_number(f) for f in out] == [36, 37, 38]
+    assert [frame_number(f) for f in out] == [36, 37, 38]
 
 
 def test_too_short_video_is_a_decode_error():
-    data = _encode(12, "libx264", "mp4")
+    data = encode_video(12, "libx264", "mp4")
     with pytest.raises(DecodeError, match="clip needs 16 frames, video has 12"):
         _clip(data, 4, 5, lambda n: 0)
     called = []
@@ -197,19 +160,19 @@ def test_undecodable_file_is_a_decode_error(data):
 
 
 def test_truncated_video_is_a_decode_error():
-    data = _encode(FRAMES, "libx264", "mp4")
+    data = encode_video(FRAMES, "libx264", "mp4")
     with pytest.raises(DecodeError):
         _clip(data[: len(data) // 2], 2, 1, lambda n: n - 2)
 
 
 def test_start_outside_the_video_is_a_caller_error():
-    data = _encode(FRAMES, "libx264", "mp4")
+    data = encode_video(FRAMES, "libx264", "mp4")
     with pytest.raises(ValueError, match="no room"):
         _clip(data, 3, 2, lambda n: n - 4)
 
 
 def test_frame_threading_gives_the_same_clips():
-    data = _encode(FRAMES, "libx264", "mp4")
+    data = encode_video(FRAMES, "libx264", "mp4")
     reference = _reference(data)
     decoder = VideoDecoder(threads=2)
     for first in (0, 3, 11, 33):
