@@ -39,7 +39,7 @@ from av.video.reformatter import Interpolation, VideoReformatter
 
 from .headers import declared_size
 
-__all__ = ["DecodeError", "ImageDecoder"]
+__all__ = ["DecodeError", "ImageDecoder", "RgbScaler"]
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
 # swscale's planar GBR: plane 0 is green, 1 blue, 2 red; these are their rows in RGB order.
@@ -54,6 +54,27 @@ Place = Callable[[int, int], tuple[int, int, int, int]]
 
 class DecodeError(Exception):
     """A sample that could not be decoded; the message says why, briefly."""
+
+
+class RgbScaler:
+    """Colour-converts and scales frames to planar RGB in one swscale pass, then copies a
+    window of the result into a ``uint8 [3, H, W]`` row. One per thread (it keeps
+    its swscale context, reused while consecutive frames share a size)."""
+
+    def __init__(self) -> None:
+        self._scaler = VideoReformatter()
+
+    def scale(self, frame: av.VideoFrame, width: int, height: int) -> av.VideoFrame:
+        return self._scaler.reformat(frame, width, height, _GBRP, interpolation=_SCALER,
+                                     threads=1)
+
+    @staticmethod
+    def copy(rgb: av.VideoFrame, out: np.ndarray, top: int = 0, left: int = 0) -> None:
+        """Copy the [3, H, W] window of ``rgb`` at (top, left) into ``out``, in RGB order."""
+        _, height, width = out.shape
+        for plane, row in zip(rgb.planes, _GBRP_TO_RGB_ROW):
+            pixels = np.frombuffer(plane, np.uint8).reshape(rgb.height, plane.line_size)
+            out[row] = pixels[top:top + height, left:left + width]
 
 
 # Images over this many pixels are refused before decoding (gpufeed-server --max-pixels).
@@ -77,7 +98,7 @@ class ImageDecoder:
         self._jpeg = av.CodecContext.create("mjpeg", "r")
         self._jpeg.thread_count = 1  # the pool's threads are the parallelism
         self._jpeg.options = {"err_detect": "explode"}
-        self._scaler = VideoReformatter()
+        self._rgb = RgbScaler()
         self._max_pixels = max_pixels
 
     def decode_into(self, data: bytes, out: np.ndarray, place: Place | None = None) -> None:
@@ -101,13 +122,10 @@ class ImageDecoder:
                 frame = _decode_other(data, self._check_size)
             scaled_h, scaled_w, top, left = (place(frame.height, frame.width) if place
                                              else (height, width, 0, 0))
-            rgb = self._scaler.reformat(frame, scaled_w, scaled_h, _GBRP, interpolation=_SCALER,
-                                        threads=1)
+            rgb = self._rgb.scale(frame, scaled_w, scaled_h)
         except av.FFmpegError as e:
             raise DecodeError(f"not a decodable image: {e}") from None
-        for plane, row in zip(rgb.planes, _GBRP_TO_RGB_ROW):
-            pixels = np.frombuffer(plane, np.uint8).reshape(scaled_h, plane.line_size)
-            out[row] = pixels[top:top + height, left:left + width]
+        self._rgb.copy(rgb, out, top, left)
 
     def _check_size(self, width: int, height: int) -> None:
         if width * height > self._max_pixels:

@@ -44,16 +44,11 @@ from typing import BinaryIO
 
 import av
 import numpy as np
-from av.video.reformatter import Interpolation, VideoReformatter
 
-from .decode import DecodeError
+from .decode import DecodeError, RgbScaler
 
 __all__ = ["VideoDecoder", "centred_start", "random_start"]
 
-# swscale's planar GBR: plane 0 is green, 1 blue, 2 red; these are their rows in RGB order.
-_GBRP_TO_RGB_ROW = (1, 2, 0)
-_GBRP = av.VideoFormat("gbrp")
-_SCALER = Interpolation.BILINEAR
 
 
 def centred_start(n: int, k: int, stride: int) -> int:
@@ -79,7 +74,7 @@ class VideoDecoder:
 
     def __init__(self, threads: int = 1) -> None:
         self._threads = threads
-        self._scaler = VideoReformatter()
+        self._rgb = RgbScaler()
 
     def decode_clip_into(self, file: BinaryIO | str, out: np.ndarray, *, stride: int,
                          start: Callable[[int], int]) -> None:
@@ -160,11 +155,8 @@ class VideoDecoder:
         """Scale ``frame`` into ``row`` [3, H, W] (once per frame; ``rgb`` is the reuse)."""
         _, height, width = row.shape
         if rgb is None:
-            rgb = self._scaler.reformat(frame, width, height, _GBRP, interpolation=_SCALER,
-                                        threads=1)
-        for plane, channel in zip(rgb.planes, _GBRP_TO_RGB_ROW):
-            pixels = np.frombuffer(plane, np.uint8).reshape(height, plane.line_size)
-            row[channel] = pixels[:, :width]
+            rgb = self._rgb.scale(frame, width, height)
+        self._rgb.copy(rgb, row)
         return rgb
 
 
