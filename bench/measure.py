@@ -79,6 +79,14 @@ class Meter:
         if self._end is None:
             self._end = (time.perf_counter(), tree_cpu_seconds(), self.images)
 
+    def window(self, start: tuple[float, float, int], end: tuple[float, float, int]) -> None:
+        """Set the measured window directly, as (time, CPU s, images) at its start and end.
+
+        For rows whose batches arrive in other processes (several trainers): they
+        decide the window themselves and count ``images`` as batches arrive.
+        """
+        self._start, self._end = start, end
+
     def result(self, note: str = "") -> Result:
         self.stop()
         if self._start is None:  # fewer batches than the warm-up: time nothing

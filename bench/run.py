@@ -15,13 +15,14 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
-from . import dataset
+from . import arrays, dataset
 from .accuracy import decoder_psnr
-from .worker import ROWS, Config
+from .worker import ROWS, Config, group
 
 __all__ = ["main"]
 
@@ -39,7 +40,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="folder for the JSON results (default bench/results)")
     p.add_argument("--rows", default=",".join(ROWS),
                    help="comma-separated rows to run (default: all): " + ", ".join(ROWS))
-    p.add_argument("--passes", type=int, default=2, help="passes over the set per row")
+    p.add_argument("--passes", type=int, default=2,
+                   help="passes over the set per row (per trainer in the trainers rows)")
+    p.add_argument("--arrays", type=int, default=2000,
+                   help="samples in the .npy and in the .npz set (default %(default)s)")
+    p.add_argument("--array-passes", type=int, default=10,
+                   help="passes over the array set per array row (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--size", type=int, default=224, help="output height and width")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -50,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds over all rows; each row keeps its fastest round (a shared "
                         "machine's noise only ever slows a row down)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="rows run at once (default 1). Anything above 1 is for smoke runs only: "
+                        "rows running together share the cores and disturb each other's figures")
     p.add_argument("--row-timeout", type=float, default=300.0, help="seconds before a row is killed")
     return p
 
@@ -65,9 +74,16 @@ def main(argv: list[str] | None = None) -> dict:
     _say(f"data set: {len(data.names)} JPEGs from {data.source}, mean "
          f"{data.mean_width:.0f}x{data.mean_height:.0f}, {data.mean_bytes / 1000:.0f} KB, "
          f"quality {data.quality} ({data.root})")
+    array_set = None
+    if any(group(r) == "arrays" for r in rows):
+        array_set = arrays.build(args.data_dir / f"arrays{args.arrays}", args.arrays, log=_say)
+        _say(f"array set: {array_set.count} .npy ({array_set.npy_bytes / 1000:.0f} KB each) and "
+             f".npz ({array_set.npz_bytes / 1000:.0f} KB each) in {array_set.root}")
     config = Config(root=str(data.root.resolve()), list_file=data.list_file.name, names=data.names,
                     batch_size=args.batch_size, size=(args.size, args.size), passes=args.passes,
-                    threads=args.threads, warmup=args.warmup)
+                    threads=args.threads, warmup=args.warmup,
+                    arrays_root=str(array_set.root.resolve()) if array_set else "",
+                    array_passes=args.array_passes)
     accuracy = None
     if args.psnr_images:
         accuracy = decoder_psnr(config.paths[:args.psnr_images], config.size)
@@ -75,22 +91,36 @@ def main(argv: list[str] | None = None) -> dict:
              f"{accuracy['mean_db']:.2f} dB, worst {accuracy['min_db']:.2f} dB "
              f"over {accuracy['images']} images")
     runs: dict[str, list[dict]] = {row: [] for row in rows}
+
+    def one(row: str, round_: int) -> dict:
+        _say(f"[{row}] {ROWS[row][0]} (round {round_ + 1}/{args.repeat}; load average "
+             f"{_loadavg()}) ...")
+        result = {**_run_row(row, config, args.row_timeout), "load_average_after": _loadavg()}
+        _say(f"[{row}] {_summary(result)}")
+        return result
+
     for round_ in range(args.repeat):
-        for row in rows:
-            _say(f"[{row}] {ROWS[row][0]} (round {round_ + 1}/{args.repeat}) ...")
-            runs[row].append(_run_row(row, config, args.row_timeout))
-            _say(f"[{row}] {_summary(runs[row][-1])}")
+        if args.jobs <= 1:
+            for row in rows:
+                runs[row].append(one(row, round_))
+        else:
+            with ThreadPoolExecutor(args.jobs) as pool:
+                for row, result in zip(rows, pool.map(one, rows, [round_] * len(rows))):
+                    runs[row].append(result)
     results = [_best(runs[row]) for row in rows]
     report = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": " ".join(["python -m bench.run", *(argv if argv is not None else sys.argv[1:])]),
         "config": {k: v for k, v in asdict(config).items() if k != "names"},
+        "jobs": args.jobs,
         "data_set": data.describe(),
+        "array_set": array_set.describe() if array_set else None,
         "decoder_accuracy": accuracy,
         "machine": _machine(),
         "rows": results,
         "server_overhead": _overhead(results, args.batch_size),
         "seconds": time.perf_counter() - started,
+        "load_average_end": _loadavg(),
     }
     print(format_table(report), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +153,8 @@ def _best(runs: list[dict]) -> dict:
     """The fastest successful run of a row (or its last failure), with every run's figures."""
     ok = [r for r in runs if r["status"] == "ok"]
     best = dict(max(ok, key=lambda r: r["images_per_second"]) if ok else runs[-1])
-    best["rounds"] = [{k: r.get(k) for k in ("status", "images_per_second", "cpu_seconds_per_1000")}
+    best["rounds"] = [{k: r.get(k) for k in ("status", "images_per_second", "cpu_seconds_per_1000",
+                                             "load_average_after")}
                       for r in runs]
     return best
 
@@ -158,8 +189,23 @@ def _overhead(results: list[dict], batch_size: int) -> dict:
 
 
 def format_table(report: dict) -> str:
-    """The results as a Markdown table, as bench/README.md shows them."""
-    rows = report["rows"]
+    """The results as Markdown tables, as bench/README.md shows them: one per group of rows."""
+    groups: dict[str, list[dict]] = {}
+    for r in report["rows"]:
+        groups.setdefault(group(r["row"]), []).append(r)
+    parts = []
+    if "images" in groups:
+        parts.append(_images_table(groups["images"], report))
+    if "trainers" in groups:
+        parts.append(_trainers_table(groups["trainers"]))
+    if "arrays" in groups:
+        parts.append(_arrays_table(groups["arrays"]))
+    if report.get("jobs", 1) > 1:
+        parts.append(f"(rows ran {report['jobs']} at a time: the figures disturb each other)")
+    return "\n\n".join(parts)
+
+
+def _images_table(rows: list[dict], report: dict) -> str:
     ref = next((r for r in rows if r["row"] == _REFERENCE and r["status"] == "ok"), None)
     lines = ["| row | images/s | CPU s / 1000 images | gpufeed shm speed-up | delivered | note |",
              "|---|---:|---:|---:|---:|---|"]
@@ -177,6 +223,51 @@ def format_table(report: dict) -> str:
                      f"adds {o['wall_ms_per_batch']:.1f} ms wall and {o['cpu_ms_per_batch']:.1f} ms "
                      f"CPU per batch")
     return "\n".join(lines)
+
+
+def _trainers_table(rows: list[dict]) -> str:
+    """Aggregate and per-trainer rates of N concurrent trainers, against 1 trainer."""
+    one = next((r for r in rows if r.get("trainers") == 1 and r["status"] == "ok"), None)
+    lines = ["| trainers | aggregate images/s | per-trainer images/s | aggregate vs 1 trainer | "
+             "CPU s / 1000 images | delivered |",
+             "|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['label']} | – | – | – | – | {r['status']}: {r['note']} |")
+            continue
+        ratio = (f"{r['images_per_second'] / one['images_per_second']:.2f}x"
+                 if one and one["images_per_second"] else "–")
+        per = ", ".join(f"{x:.0f}" for x in r["per_trainer_images_per_second"])
+        lines.append(f"| {r['trainers']} | {r['images_per_second']:.0f} | {per} | {ratio} | "
+                     f"{r['cpu_seconds_per_1000']:.2f} | {r['images']}/{r['expected']} |")
+    return "\n".join(lines)
+
+
+def _arrays_table(rows: list[dict]) -> str:
+    """Samples/s per array row, with gpufeed's speed-up over each row of the same format."""
+    refs = {r["row"].split("-")[0]: r for r in rows
+            if r["row"].endswith("-gpufeed") and r["status"] == "ok"}
+    lines = ["| row | samples/s | CPU s / 1000 samples | gpufeed shm speed-up | delivered | note |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['label']} | – | – | – | – | {r['status']}: {r['note']} |")
+            continue
+        ref = refs.get(r["row"].split("-")[0])
+        speedup = (f"{ref['images_per_second'] / r['images_per_second']:.2f}x"
+                   if ref and r["images_per_second"] else "–")
+        lines.append(f"| {r['label']} | {r['images_per_second']:.0f} | "
+                     f"{r['cpu_seconds_per_1000']:.2f} | {speedup} | "
+                     f"{r['images']}/{r['expected']} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
 
 
 def _machine() -> dict:

@@ -1,27 +1,172 @@
-"""gpufeed as a trainer sees it: a server process, and this process reading its batches.
+"""gpufeed as a trainer sees it: a server process, and trainer processes reading its batches.
 
 The server is started with ``ServerProcess`` on the data set's folder (one
-decode thread per core); this process is the trainer, reading the list file
-over ``shm`` (zero-copy views of the server's slot ring) or ``inline`` (the
-bytes inside the gRPC messages). Each pass over the files is one stream.
+decode thread per core). In ``run`` this process is the trainer, reading the
+list file over ``shm`` (zero-copy views of the server's slot ring) or
+``inline`` (the bytes inside the gRPC messages), with the output options a
+row asks for (e.g. random-resized-crop + flip + normalize to float16). Each
+pass over the files is one stream.
+
+``run_trainers`` starts ``count`` trainer processes (``bench.trainer``), each
+with its own loader over the same files, over shm, on one server, and
+releases them together. Each reports every batch with a CLOCK_MONOTONIC time
+stamp; the aggregate rate is taken over the window in which every trainer was
+past its warm-up and none had finished yet, so it is the rate of ``count``
+trainers really streaming at once (not diluted by the start-up of the
+slowest or the tail of the last).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
-def run(config, meter, transport: str) -> str:
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def run(config, meter, transport: str, **options) -> str:
     from gpufeed.client import FeedClient
     from gpufeed.server.process import ServerProcess
 
     args = ["--data-root", config.root, "--threads", str(config.threads)]
     with ServerProcess(args) as server, FeedClient(server.address) as feed:
         loader = feed.loader(files=config.list_file, batch_size=config.batch_size,
-                             size=tuple(config.size), transport=transport)
+                             size=tuple(config.size), transport=transport, **options)
+        dtype = options.get("dtype", "uint8")
         for epoch in range(config.passes):
             loader.set_epoch(epoch)
             for batch in loader:
-                meter.batch(int(batch["image"].shape[0]))
+                image = batch["image"]
+                if str(image.dtype) != f"torch.{dtype}":  # the row measures what it says
+                    raise RuntimeError(f"asked for {dtype}, got {image.dtype}")
+                meter.batch(int(image.shape[0]))
         meter.stop()
         if loader.transport != transport:
             raise RuntimeError(f"asked for {transport}, the server chose {loader.transport}")
     return f"server: {config.threads} decode threads; trainer in another process"
+
+
+class _Child:
+    """One ``bench.trainer`` process; a thread collects its (images, time) per batch."""
+
+    def __init__(self, address: str, config, passes: int):
+        height, width = config.size
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.trainer", address, config.list_file, "--transport", "shm",
+             "--passes", str(passes), "--batch-size", str(config.batch_size),
+             "--size", f"{height}x{width}"],
+            cwd=_REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.batches: list[tuple[int, float]] = []
+        self.ready = threading.Event()
+        self.done: dict | None = None
+        self.error = ""
+        self.on_batch = lambda n: None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        import json
+
+        for line in self.proc.stdout:
+            if line.startswith("b "):
+                _, n, t = line.split()
+                self.batches.append((int(n), float(t)))
+                self.on_batch(int(n))
+            elif line.startswith("ready"):
+                self.ready.set()
+            elif line.startswith("done "):
+                self.done = json.loads(line[5:])
+            elif line.startswith("error "):
+                self.error = line[6:].strip()
+        self.ready.set()
+
+    def finish(self, timeout: float) -> None:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"a trainer did not finish within {timeout:g} s") from None
+        self._reader.join(10)
+        if code != 0 or self.done is None:
+            raise RuntimeError(f"a trainer failed (exit {code}): {self.error or 'no message'}")
+
+
+def run_trainers(config, meter, count: int):
+    from gpufeed.server.process import ServerProcess
+
+    from ..measure import tree_cpu_seconds
+
+    meter.expected = count * config.expected
+    lock = threading.Lock()
+    cpu: list[tuple[float, float]] = []  # (monotonic, CPU s of this process tree)
+    sampling = threading.Event()
+
+    def sample_cpu() -> None:
+        while not sampling.is_set():
+            cpu.append((time.monotonic(), tree_cpu_seconds()))
+            sampling.wait(0.2)
+        cpu.append((time.monotonic(), tree_cpu_seconds()))
+
+    def counted(n: int) -> None:
+        with lock:
+            meter.images += n
+
+    args = ["--data-root", config.root, "--threads", str(config.threads)]
+    with ServerProcess(args) as server:
+        children = [_Child(server.address, config, config.passes) for _ in range(count)]
+        try:
+            for child in children:
+                child.on_batch = counted
+                if not child.ready.wait(120) or child.proc.poll() is not None:
+                    raise RuntimeError(f"a trainer did not start: {child.error or 'no message'}")
+            sampler = threading.Thread(target=sample_cpu, daemon=True)
+            sampler.start()
+            for child in children:
+                child.proc.stdin.write("go\n")
+                child.proc.stdin.flush()
+            for child in children:
+                child.finish(600)
+        finally:
+            sampling.set()
+            for child in children:
+                if child.proc.poll() is None:
+                    child.proc.kill()
+                    child.proc.wait()
+    sampler.join(5)
+
+    # The window in which all trainers streamed: after the last one's warm-up, before the
+    # first one's end. (A run too small for such a window falls back to first to last.)
+    warm = max(1, config.warmup)
+    starts = [c.batches[min(warm, len(c.batches)) - 1][1] for c in children]
+    ends = [c.batches[-1][1] for c in children]
+    t0, t1 = max(starts), min(ends)
+    if t1 <= t0:
+        t0, t1 = min(starts), max(ends)
+    seconds = t1 - t0
+    per_trainer = [sum(n for n, t in c.batches if t0 < t <= t1) for c in children]
+    measured = sum(per_trainer)
+    meter.window((t0, _at(cpu, t0), 0), (t1, _at(cpu, t1), measured))
+    rates = [n / seconds if seconds > 0 else 0.0 for n in per_trainer]
+    extra = {
+        "trainers": count,
+        "per_trainer_images_per_second": rates,
+        "per_trainer_delivered": [sum(n for n, _ in c.batches) for c in children],
+        "per_trainer_expected": config.expected,
+        "all_streaming_seconds": seconds,
+    }
+    note = (f"{count} trainer process{'es' if count > 1 else ''} x {config.expected} images, "
+            f"shm; server: {config.threads} decode threads")
+    return note, extra
+
+
+def _at(samples: list[tuple[float, float]], t: float) -> float:
+    """CPU seconds at time ``t``, interpolated between the samples around it."""
+    before = max((s for s in samples if s[0] <= t), default=samples[0], key=lambda s: s[0])
+    after = min((s for s in samples if s[0] >= t), default=samples[-1], key=lambda s: s[0])
+    if after[0] <= before[0]:
+        return before[1]
+    return before[1] + (after[1] - before[1]) * (t - before[0]) / (after[0] - before[0])
