@@ -103,6 +103,10 @@ class SlotRing:
     def free_slots(self) -> int:
         return len(self._free)
 
+    def close(self) -> None:
+        """Drop the view of the buffer, so that its owner can unmap or free it."""
+        self._memory = None
+
     def slot(self, index: int) -> np.ndarray:
         start = index * self.slot_bytes
         return self._memory[start:start + self.slot_bytes]

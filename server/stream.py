@@ -97,7 +97,12 @@ class Batch:
             self._pending -= 1
             last = self._pending == 0
         if last:  # every row is written: this thread alone finishes the batch, unlocked
-            self._finish()
+            try:
+                self._finish()
+            except Exception as e:  # a bug, or out of memory: end the stream, say why
+                _log.exception("finishing batch %d", self.seq)
+                stream.cancel(grpc.StatusCode.INTERNAL, f"server error finishing batch "
+                              f"{self.seq}: {type(e).__name__}: {e}")
             with stream.cond:
                 self.done = True
                 stream.cond.notify_all()
@@ -117,6 +122,7 @@ class Batch:
         for row, _ in self.failures:
             ok[row] = False
         self.failures = sorted((int(self.indices[row]), why) for row, why in self.failures)
+        self._stream.metrics.failed([why for _, why in self.failures])
         self.rows = rows = int(ok.sum())
         if rows < len(self.indices):
             for array in self.arrays.values():
@@ -165,8 +171,10 @@ class Stream:
         """
         with self.cond:
             for seq in seqs:
+                if seq >= self._next_out:  # leased, but not sent: decode threads may be writing
+                    raise KeyError(seq)
                 self.ring.release(seq)
-                self._batches.pop(seq, None)
+                self._batches.pop(seq).arrays = None  # sent and returned: nothing reads it
             if seqs:
                 self._last_release = time.monotonic()
             self._start_ready()
@@ -216,6 +224,8 @@ class Stream:
                 self._next_out += 1
             failed += batch.failures
             if len(failed) > self.plan.max_failures:
+                # Not sent: a shared job's other consumers will send it (within their budgets).
+                self.source.give_back([batch.number])
                 examples = "; ".join(f"sample {i}: {why}" for i, why in failed[:5])
                 raise StreamCancelled(
                     grpc.StatusCode.DATA_LOSS,
@@ -258,6 +268,13 @@ class Stream:
         with self.cond:
             unsent = [b.number for seq, b in self._batches.items() if seq >= self._next_out]
             self.cond.wait_for(lambda: all(b.done for b in self._batches.values()))
+            # Batches and the stream refer to each other; drop the views of the ring
+            # now rather than at the next garbage collection, so its memory (and a
+            # shared-memory mapping's descriptor) goes as soon as the stream ends.
+            for batch in self._batches.values():
+                batch.arrays = None
+            self._batches.clear()
+            self.ring.close()
         self.source.give_back(unsent)
 
     def _start_ready(self) -> None:

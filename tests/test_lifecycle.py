@@ -112,3 +112,20 @@ def test_info_describes_the_server(feed, data_dir):
     assert info.data_roots == [str(data_dir.resolve())]
     assert info.decode_threads == 2
     assert info.shm_probe.name in os.listdir("/dev/shm")
+
+
+def test_finished_streams_let_go_of_their_memory(data_dir, image_names):
+    """A stream's segment is unmapped when the stream ends, not at some later garbage collection:
+    no descriptor or mapping of a deleted segment stays with the server."""
+    with ServerProcess(["--data-root", str(data_dir)]) as server:
+        for _ in range(6):
+            assert len(_serves(server.address, image_names[:16])) == 16
+
+        def held() -> list[str]:
+            fds = f"/proc/{server.proc.pid}/fd"
+            links = [os.readlink(f"{fds}/{fd}") for fd in os.listdir(fds)]
+            with open(f"/proc/{server.proc.pid}/maps") as maps:
+                mapped = [line for line in maps if "/dev/shm/gpufeed-" in line and "probe" not in line]
+            return [link for link in links if "/dev/shm/gpufeed-" in link and "probe" not in link] + mapped
+
+        assert wait_until(lambda: not held()), held()
