@@ -19,11 +19,13 @@ import logging
 import weakref
 from collections.abc import Callable
 
+import grpc
 import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
 
+from .errors import FeedError
 from .shm import map_segment
 
 __all__ = ["HeldSlots", "InlineBatches", "ShmBatches"]
@@ -91,7 +93,13 @@ class HeldSlots:
 
 class ShmBatches:
     def __init__(self, header: feed_pb2.StreamHeader, release: Release, copy: bool):
-        self._memory = map_segment(header.shm_name, header.num_slots * header.slot_bytes)
+        try:
+            self._memory = map_segment(header.shm_name, header.num_slots * header.slot_bytes)
+        except OSError as e:
+            raise FeedError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"shm: cannot map the server's segment ({e.strerror}): the trainer "
+                            f"must share the server's /dev/shm and user; use transport='auto' "
+                            f"or 'inline'") from None
         self._slot_bytes = header.slot_bytes
         self._held = HeldSlots(header.num_slots, release, "shared-memory")
         self.make_room = self._held.make_room

@@ -22,6 +22,11 @@ _LABEL_SOURCES = {"list_file": feed_pb2.LABELS_FROM_LIST_FILE,
                   "folder": feed_pb2.LABELS_FROM_FOLDER}
 
 
+def _floats(values) -> list[float]:
+    """A list of floats from None, a sequence, a numpy array or a tensor."""
+    return [] if values is None else [float(v) for v in values]
+
+
 def _choice(name: str, value: str, choices: dict) -> int:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
@@ -110,12 +115,13 @@ class FeedClient:
             height=height, width=width, resize=_choice("resize", resize, _RESIZES),
             shorter_side=shorter_side, scale_min=scale[0], scale_max=scale[1],
             ratio_min=ratio[0], ratio_max=ratio[1], flip_probability=flip, dtype=dtype,
-            mean=mean or [], std=std or [], layout=_choice("layout", layout, _LAYOUTS))
+            mean=_floats(mean), std=_floats(std), layout=_choice("layout", layout, _LAYOUTS))
         label_source = feed_pb2.LABELS_FROM_REQUEST
         if isinstance(labels, str):
             label_source, labels = _choice("labels", labels, _LABEL_SOURCES), None
         request = feed_pb2.StreamRequest(
-            prefix=prefix, labels=labels or [], label_source=label_source,
+            prefix=prefix, labels=[] if labels is None else [int(x) for x in labels],
+            label_source=label_source,
             batch_size=batch_size, output=output,
             clip=feed_pb2.ClipSpec(frames=clip[0], stride=clip[1], random_start=random_clip)
             if clip else None,

@@ -37,7 +37,7 @@ from gpufeed.v1 import feed_pb2
 
 from .batches import InlineBatches, ShmBatches
 from .errors import FeedError
-from .server import Server
+from .server import Server, transport_name
 
 __all__ = ["Loader"]
 
@@ -179,7 +179,7 @@ class Loader:
         try:
             header = next(call).header
             self.classes = list(header.classes)
-            self.transport = feed_pb2.Transport.Name(header.transport).removeprefix("TRANSPORT_").lower()
+            self.transport = transport_name(header.transport)
             if header.transport == feed_pb2.TRANSPORT_SHM:
                 batches = ShmBatches(header, release, self._copy)
                 outbox.put(feed_pb2.ClientMessage(attached=feed_pb2.Attached()))
@@ -189,10 +189,14 @@ class Loader:
                 batches = CudaBatches(header, release, self._copy)
             else:
                 batches = InlineBatches()
+            expected_end = part.consumed + header.num_batches  # 0 batches: a shared job
             try:
                 yield from self._batches(part, call, batches, release)
             finally:
                 batches.close()
+            if header.num_batches and part.consumed < expected_end:
+                raise FeedError(grpc.StatusCode.UNAVAILABLE,
+                                f"the stream ended at batch {part.consumed} of {expected_end}")
         finally:
             call.cancel()
             outbox.put(None)

@@ -11,7 +11,7 @@ from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 from .errors import FeedError
 from .shm import shares_shm
 
-__all__ = ["Server"]
+__all__ = ["Server", "transport_name"]
 
 _log = logging.getLogger(__name__)
 
@@ -81,9 +81,14 @@ class Server:
                 self._auto, why = feed_pb2.TRANSPORT_CUDA_IPC, f"same host and GPU {info.gpu_uuid}"
             else:
                 self._auto, why = feed_pb2.TRANSPORT_SHM, "shares the server's /dev/shm"
-            _log.info("%s: transport auto -> %s (%s)", self.address,
-                      feed_pb2.Transport.Name(self._auto).removeprefix("TRANSPORT_").lower(), why)
+            _log.info("%s: transport auto -> %s (%s)", self.address, transport_name(self._auto),
+                      why)
         return self._auto
+
+
+def transport_name(transport: int) -> str:
+    """TRANSPORT_SHM -> "shm", as loaders and logs name transports."""
+    return feed_pb2.Transport.Name(transport).removeprefix("TRANSPORT_").lower()
 
 
 def _sees_gpu(uuid: str) -> bool:

@@ -14,13 +14,16 @@ what order a consumer sees its batches, depends on timing; a consumer cannot
 resume at a position (it rejoins the job instead). A consumer that leaves gives
 back the batches it had claimed but not yet sent, and another consumer sends
 them; batches already sent to a consumer that dies are not sent again (at most
-once across consumers, as with tf.data service).
+once across consumers, as with tf.data service). A job lives in the server's
+memory: after a server restart its consumers start the epoch's pass again, and
+a job nobody has consumed for ten minutes is forgotten.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -33,6 +36,9 @@ from .request import RequestError, StreamPlan
 __all__ = ["JobRegistry", "OwnBatches", "SharedJob"]
 
 _FINISHED_KEPT = 256
+# A job nobody has consumed for this long is dropped: the next consumer to name
+# it starts a new pass.
+_IDLE_SECONDS = 600.0
 
 
 class OwnBatches:
@@ -70,6 +76,7 @@ class SharedJob:
         self._returned: deque[int] = deque()  # given back by leaving consumers: first in line
         self._sent = 0
         self._consumers: set[Callable[[], None]] = set()  # each wakes one consumer stream
+        self.idle_since: float | None = None  # when its last consumer left
 
     def claim(self) -> int | None:
         with self._lock:
@@ -101,10 +108,13 @@ class SharedJob:
     def add_consumer(self, wake: Callable[[], None]) -> None:
         with self._lock:
             self._consumers.add(wake)
+            self.idle_since = None
 
     def remove_consumer(self, wake: Callable[[], None]) -> None:
         with self._lock:
             self._consumers.discard(wake)
+            if not self._consumers:
+                self.idle_since = time.monotonic()
 
     def consumers(self) -> int:
         with self._lock:
@@ -129,6 +139,7 @@ class JobRegistry:
         key = (request.job, request.epoch)
         fingerprint = _fingerprint(request)
         with self._lock:
+            self._forget_idle()
             job = self._jobs.get(key)
             if job is None:
                 job = self._jobs[key] = SharedJob(request.job, plan, fingerprint)
@@ -140,6 +151,12 @@ class JobRegistry:
                     f"request; every consumer of a job must ask for the same samples, batch "
                     f"size, output, shuffle and seed")
         return job
+
+    def _forget_idle(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, job in self._jobs.items()
+                    if job.idle_since is not None and now - job.idle_since > _IDLE_SECONDS]:
+            del self._jobs[key]
 
     def _forget_finished(self) -> None:
         """Keep finished jobs (so a late consumer gets an empty stream, not a replay), up to a bound."""

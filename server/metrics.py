@@ -131,9 +131,12 @@ class ServerMetrics:
         self._batches.labels(name).inc()
         self._batch_bytes.labels(name).inc(nbytes)
         self._message_bytes.labels(name).inc(message.ByteSize())
-        for failure in batch.failures:
-            self._failures.labels(failure_reason(failure.reason)).inc()
         self.stages["send"].observe(seconds)
+
+    def failed(self, reasons: list[str]) -> None:
+        """Samples of a finished batch that failed (counted even if the batch is never sent)."""
+        for reason in reasons:
+            self._failures.labels(failure_reason(reason)).inc()
 
     def released(self, transport: int, release: feed_pb2.Release) -> None:
         """Record the trainer's wait for a batch, carried by its Release.

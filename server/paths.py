@@ -6,8 +6,10 @@ given) or absolute under one. Two checks keep reads inside the roots:
 * at request time every name is checked lexically (``..`` and absolute paths
   elsewhere are refused for the whole request, PERMISSION_DENIED), which costs
   no system call however long the list is;
-* at read time the file's real path (symlinks resolved) must still lie under a
-  root, so a symlink pointing outside fails that sample instead of leaking it.
+* at read time the opened file's real path (symlinks resolved, read back from
+  /proc/self/fd after opening, so a symlink swapped in meanwhile cannot slip
+  through) must still lie under a root, so a symlink pointing outside fails
+  that sample instead of leaking it.
 """
 
 from __future__ import annotations
@@ -52,11 +54,17 @@ class DataRoots:
         return os.path.join(self.roots[0], rel)
 
     def open_checked(self, path: str) -> int:
-        """Open a located path for reading after resolving symlinks; returns an fd."""
-        real = os.path.realpath(path)
+        """Open a located path for reading; returns an fd of a file under a data root."""
+        # Non-blocking: opening a FIFO (or a device) someone linked in must not hang a thread.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            real = os.path.realpath(path)  # no /proc: checked, if less strictly
         if self._root_of(real) is None:
+            os.close(fd)
             raise OutsideDataRoots(f"{path!r} resolves outside the data roots")
-        return os.open(real, os.O_RDONLY)
+        return fd
 
     def read(self, path: str) -> bytes:
         fd = self.open_checked(path)

@@ -92,7 +92,9 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     if not names:
         raise _invalid("samples: the list is empty")
     if len(names) > limits.max_samples:
-        raise _invalid(f"samples: {len(names)} samples is over the limit of {limits.max_samples}")
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"samples: {len(names)} samples is over the server's --max-samples "
+                           f"{limits.max_samples}")
     paths = _locate_all(names, req.prefix, roots)
     labels, classes = _labels(req, names, listed_labels)
     try:

@@ -74,16 +74,17 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         if first is None or first.WhichOneof("kind") != "open":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "the first message of a stream must be `open` with the request")
-        try:
-            plan = plan_stream(first.open, self._roots, self._limits, self.transports)
-            job = self._jobs.join(first.open, plan) if first.open.job else None
-        except RequestError as e:
-            context.abort(e.code, str(e))
         refusal = self._enter()
         if refusal is not None:
             context.abort(*refusal)
         try:
-            yield from self._serve(plan, job, request_iterator, context)
+            try:
+                plan = plan_stream(first.open, self._roots, self._limits, self.transports)
+                job = self._jobs.join(first.open, plan) if first.open.job else None
+                memory = self._slot_memory(plan)
+            except RequestError as e:
+                context.abort(e.code, str(e))
+            yield from self._serve(plan, job, memory, request_iterator, context)
         finally:
             with self._lock:
                 self._open_streams -= 1
@@ -111,30 +112,39 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             self._open_streams += 1
             return None
 
-    def _serve(self, plan: StreamPlan, job: SharedJob | None, request_iterator, context):
+    def _slot_memory(self, plan: StreamPlan):
+        """(buffer, shm segment or None, device ring or None) for the stream's slots."""
         slots_bytes = plan.num_slots * plan.layout.slot_bytes
-        segment = device_ring = None
-        if plan.transport == feed_pb2.TRANSPORT_SHM:
-            segment = self._shm.create(slots_bytes)
-            buffer = segment.buffer
-        elif plan.transport == feed_pb2.TRANSPORT_CUDA_IPC:
-            from .cuda_ipc import DeviceRing
+        try:
+            if plan.transport == feed_pb2.TRANSPORT_SHM:
+                segment = self._shm.create(slots_bytes)
+                return segment.buffer, segment, None
+            if plan.transport == feed_pb2.TRANSPORT_CUDA_IPC:
+                from .cuda_ipc import DeviceRing
 
-            device_ring = DeviceRing(self._device, plan.num_slots, plan.layout.slot_bytes,
-                                     self._metrics.stages["device_copy"].observe)
-            buffer = device_ring.host_buffer()
-        else:
-            buffer = bytearray(slots_bytes)
+                ring = DeviceRing(self._device, plan.num_slots, plan.layout.slot_bytes,
+                                  self._metrics.stages["device_copy"].observe)
+                return ring.host_buffer(), None, ring
+            return bytearray(slots_bytes), None, None
+        except (MemoryError, OSError, RuntimeError) as e:  # ENOSPC in /dev/shm, CUDA OOM
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"no memory for this stream's {plan.num_slots} slots of "
+                               f"{plan.layout.slot_bytes} bytes: {e}; ask for a smaller "
+                               f"prefetch or batch") from None
+
+    def _serve(self, plan: StreamPlan, job: SharedJob | None, memory, request_iterator,
+               context):
+        buffer, segment, device_ring = memory
         stream = Stream(plan, self._roots, self._pool, buffer, self._metrics, source=job,
                         finish_on_host=device_ring is None)
-        if job is not None:
-            job.add_consumer(stream.wake)
-        context.add_callback(stream.cancel)
         reader = threading.Thread(target=_read_client, name="gpufeed-client-reader",
                                   args=(request_iterator, stream, segment), daemon=True)
         with self._lock:
             self._streams.add(stream)
         try:
+            if job is not None:
+                job.add_consumer(stream.wake)
+            context.add_callback(stream.cancel)
             self._metrics.opened(stream, plan.transport)
             stream.start()
             reader.start()
@@ -183,16 +193,17 @@ def _read_client(request_iterator, stream: Stream, segment) -> None:
                     stream.release(message.release.seqs)
                 except KeyError as e:
                     stream.cancel(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"release: batch {e.args[0]} holds no slot of this stream")
+                                  f"release: batch {e.args[0]} is not one this stream sent and "
+                                  f"has not had back")
                     return
             elif kind == "attached" and segment is not None:
                 segment.unlink()
                 stream.attach()
     except grpc.RpcError:
         pass  # the call ended; the handler cleans up
-    except Exception:
+    except Exception as e:
         _log.exception("client reader failed")
-        stream.cancel()
+        stream.cancel(grpc.StatusCode.INTERNAL, f"server error reading the client's messages: {e}")
 
 
 def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.Batch:

@@ -37,7 +37,9 @@ class SharedSegment:
         self._path = os.path.join(SHM_DIR, name)
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(self._fd, size)
+            # Reserve the pages now: a sparse segment would fail later, as a SIGBUS in
+            # a decode thread (taking the whole server down), when /dev/shm fills up.
+            os.posix_fallocate(self._fd, 0, size)
             self.buffer = mmap.mmap(self._fd, size)
         except BaseException:
             os.close(self._fd)

@@ -173,8 +173,9 @@ class OutputTransform:
         batch's device, and may be ``image`` itself when nothing but flips is
         asked; ``flips`` is bool [n].
         """
-        if flips.any():
-            decoded[flips] = decoded[flips].flip(-1)
+        if self.flip_probability:  # no data-dependent branch: no device sync on a GPU
+            mask = flips.view(-1, *[1] * (decoded.dim() - 1))
+            decoded.copy_(torch.where(mask, decoded.flip(-1), decoded))
         if not self.converts:
             return
         x = decoded

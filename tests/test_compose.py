@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -151,11 +152,14 @@ def compose() -> dict:
 def compose_server(compose, tmp_path_factory):
     """The compose file's server command, run here: what it serves and scrapes.
 
-    Only three values are mapped: the data root to a temp dir, the listen address
-    to loopback port 0, the metrics port to a free one. Every other flag is
-    the compose file's own, so a flag the CLI does not know fails here.
+    Only these values are mapped: the data root to a temp dir, the listen address
+    to loopback port 0, the metrics port to a free one, and the device to the
+    CPU where there is no GPU. Every other flag is the compose file's own, so a
+    flag the CLI does not know fails here.
     """
     args = compose["services"]["gpufeed"]["command"]
+    if not torch.cuda.is_available():
+        args = _with_flag(args, "--device", "cpu")
     data = tmp_path_factory.mktemp("compose-data")
     rng = np.random.default_rng(1)
     for i in range(6):
@@ -233,7 +237,9 @@ def test_compose_reserves_a_gpu_and_the_cpu_override_drops_it(compose):
     merged = _merge(compose, override)
     cpu = merged["services"]["gpufeed"]
     assert "deploy" not in cpu, "the CPU override must drop the GPU reservation"
-    assert {k: v for k, v in server.items() if k != "deploy"} == cpu
+    assert "--device" not in cpu["command"], "the CPU override must not ask for a GPU"
+    same = {k: v for k, v in server.items() if k not in ("deploy", "command")}
+    assert same == {k: v for k, v in cpu.items() if k != "command"}
     assert merged["services"]["prometheus"] == compose["services"]["prometheus"]
 
 
@@ -316,7 +322,11 @@ def test_the_dockerfile_matches_the_compose_service(compose):
     [user] = _instruction("USER")
     assert user.split(":")[0] not in ("root", "0")
     assert json.loads(_instruction("ENTRYPOINT")[0]) == ["gpufeed-server"]
-    assert json.loads(_instruction("CMD")[0]) == compose["services"]["gpufeed"]["command"]
+    # The image defaults to the CPU; compose adds the GPU, the CPU override takes it away.
+    cmd = json.loads(_instruction("CMD")[0])
+    assert compose["services"]["gpufeed"]["command"] == [*cmd, "--device", "cuda:0"]
+    assert _load(_COMPOSE_CPU)["services"]["gpufeed"]["command"] == cmd
+    assert compose["services"]["gpufeed"]["pid"] == "host"  # CUDA IPC across containers
     exposed = {int(p) for line in _instruction("EXPOSE") for p in line.split()}
     published = {int(p.split(":")[-1]) for p in compose["services"]["gpufeed"]["ports"]}
     assert exposed == published

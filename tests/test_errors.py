@@ -62,17 +62,18 @@ def test_stream_must_open_with_a_request(server):
 
 
 def test_releasing_a_batch_never_sent_ends_the_stream(server, image_names):
+    seq = 99
     with grpc.insecure_channel(server.address) as channel:
         stub = feed_pb2_grpc.FeedStub(channel)
         request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=image_names[:8]),
                                          batch_size=2, output=feed_pb2.OutputSpec(height=8, width=8),
                                          transport=feed_pb2.TRANSPORT_INLINE, prefetch=1)
         messages = [feed_pb2.ClientMessage(open=request),
-                    feed_pb2.ClientMessage(release=feed_pb2.Release(seqs=[99]))]
+                    feed_pb2.ClientMessage(release=feed_pb2.Release(seqs=[seq]))]
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Stream(iter(messages)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "release: batch 99" in info.value.details()
+    assert f"release: batch {seq} is not one this stream sent" in info.value.details()
 
 
 def test_missing_server_is_a_clear_error():
@@ -82,3 +83,13 @@ def test_missing_server_is_a_clear_error():
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert "127.0.0.1:1" in str(info.value)
 
+
+
+def test_numpy_arguments_are_accepted(feed):
+    import numpy as np
+
+    loader = feed.loader(files=["img0000.jpg", "img0001.jpg"], batch_size=2, size=(8, 8),
+                         labels=np.array([3, 4]), dtype="float32",
+                         mean=np.array([0.5, 0.5, 0.5]), std=np.array([0.25, 0.25, 0.25]))
+    (batch,) = list(loader)
+    assert batch["label"].tolist() == [3, 4]

@@ -131,3 +131,18 @@ def test_a_stream_with_many_credits_does_not_starve_one_with_few(data_dir, image
     # (5 batches, plus what it had queued); first come first served, it would decode
     # its whole queue before each small batch: 5 x 16 = 80 batches.
     assert len(big_batches_meanwhile) <= 40, len(big_batches_meanwhile)
+
+
+def test_a_job_consumer_over_its_failure_budget_leaves_the_others_whole(feed, image_names):
+    """The batch that ends one consumer (DATA_LOSS) goes back to the job, and another
+    consumer, with a budget of its own, receives it: the pass stays whole."""
+    files = ["missing-a.jpg"] + image_names[:39]  # batch 0 holds the missing file
+    strict = feed.loader(files=files, batch_size=2, size=(8, 8), job="job-c", prefetch=1,
+                         failure_budget=0.001)  # 0.1% of 40 samples: not one failure
+    with pytest.raises(FeedError) as info:
+        next(iter(strict))
+    assert info.value.code == grpc.StatusCode.DATA_LOSS
+    lenient = feed.loader(files=files, batch_size=2, size=(8, 8), job="job-c", prefetch=1,
+                          failure_budget=5)
+    assert sorted(_indices(lenient)) == list(range(1, 40))
+    assert lenient.failures == [(0, "file not found")]

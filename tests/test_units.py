@@ -56,3 +56,23 @@ def test_ring_leases_each_slot_once_until_released():
     assert views["image"].shape == (4, 3, 2, 3) and views["label"].dtype == np.int64
     views["label"][:] = 7
     assert not ring.slot(slots[1]).any()  # slots do not overlap
+
+
+def test_a_stream_refuses_the_release_of_a_batch_not_yet_sent(data_dir, image_names):
+    """Leased but unpublished: decode threads may still write it (here: a pool of no threads)."""
+    from gpufeed.server.pool import DecodePool
+    from gpufeed.server.request import Limits, plan_stream
+    from gpufeed.server.stream import Stream
+    from gpufeed.v1 import feed_pb2
+
+    roots = DataRoots([str(data_dir)])
+    request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=image_names[:8]), batch_size=2,
+                                     output=feed_pb2.OutputSpec(height=8, width=8), prefetch=1,
+                                     transport=feed_pb2.TRANSPORT_INLINE)
+    plan = plan_stream(request, roots, Limits(), (feed_pb2.TRANSPORT_INLINE,))
+    stream = Stream(plan, roots, DecodePool(0), bytearray(plan.num_slots * plan.layout.slot_bytes))
+    stream.start()
+    assert stream.ring.leased() == 2
+    with pytest.raises(KeyError):
+        stream.release([1])
+    assert stream.ring.leased() == 2
