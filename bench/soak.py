@@ -25,11 +25,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from . import dataset
+from .trainer import TrainerProcess
 
 __all__ = ["main"]
 
@@ -54,53 +54,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance-mb", type=float, default=10.0)
     p.add_argument("--tolerance-pct", type=float, default=5.0)
     return p
-
-
-class _Trainer:
-    """One ``bench.trainer`` child streaming until its stdin closes; counts what it receives."""
-
-    def __init__(self, address: str, list_file: str, transport: str, args):
-        self.transport = transport
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.trainer", address, list_file, "--transport", transport,
-             "--passes", "0", "--batch-size", str(args.batch_size), "--size", str(args.size)],
-            cwd=_HERE.parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.images = 0
-        self.error = ""
-        self.done: dict | None = None
-        self.ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("b "):
-                self.images += int(line.split()[1])
-            elif line.startswith("ready"):
-                self.ready.set()
-            elif line.startswith("done "):
-                self.done = json.loads(line[5:])
-            elif line.startswith("error "):
-                self.error = line[6:].strip()
-        self.ready.set()  # ended
-
-    def go(self) -> None:
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def stop(self, timeout: float = 60.0) -> int:
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-            self.error = self.error or f"did not stop within {timeout:g} s; killed"
-        self._reader.join(5)
-        return code
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -176,7 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
     pid = server.proc.pid
     server_id = _server_id(pid, shm_before)
     transports = [t for t in args.transports.split(",") if t]
-    trainers = [_Trainer(server.address, data.list_file.name, t, args) for t in transports]
+    trainers = [TrainerProcess(server.address, data.list_file.name, transport=t, passes=0,
+                               batch_size=args.batch_size, size=str(args.size))
+                for t in transports]
     samples: list[dict] = []
     stopped_early = ""
     started = time.monotonic()

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,6 +76,65 @@ def main(argv: list[str] | None = None) -> int:
                                     "seconds": time.monotonic() - started,
                                     "transport": loader.transport}), file=out, flush=True)
     return 0
+
+
+class TrainerProcess:
+    """A ``bench.trainer`` child, read as it goes: its batches, then its totals or its error.
+
+    ``passes`` 0 streams until ``stop()`` closes its standard input.
+    """
+
+    def __init__(self, address: str, list_file: str, *, transport: str = "shm", passes: int = 1,
+                 batch_size: int = 32, size: str = "224"):
+        self.transport = transport
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.trainer", address, list_file, "--transport", transport,
+             "--passes", str(passes), "--batch-size", str(batch_size), "--size", size],
+            cwd=_REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.batches: list[tuple[int, float]] = []  # (images, monotonic time) per batch
+        self.on_batch = lambda images: None
+        self.ready = threading.Event()
+        self.done: dict | None = None
+        self.error = ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    @property
+    def images(self) -> int:
+        return sum(n for n, _ in self.batches)
+
+    def go(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """Close its standard input and wait; killed (and said so in ``error``) past ``timeout``."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+            self.error = self.error or f"did not stop within {timeout:g} s; killed"
+        self._reader.join(10)
+        return code
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("b "):
+                _, n, t = line.split()
+                self.batches.append((int(n), float(t)))
+                self.on_batch(int(n))
+            elif line.startswith("ready"):
+                self.ready.set()
+            elif line.startswith("done "):
+                self.done = json.loads(line[5:])
+            elif line.startswith("error "):
+                self.error = line[6:].strip()
+        self.ready.set()  # ended, whether or not it got ready
 
 
 if __name__ == "__main__":

@@ -18,13 +18,10 @@ slowest or the tail of the last).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[2]
+from ..trainer import TrainerProcess
 
 
 def run(config, meter, transport: str, **options) -> str:
@@ -49,52 +46,6 @@ def run(config, meter, transport: str, **options) -> str:
     return f"server: {config.threads} decode threads; trainer in another process"
 
 
-class _Child:
-    """One ``bench.trainer`` process; a thread collects its (images, time) per batch."""
-
-    def __init__(self, address: str, config, passes: int):
-        height, width = config.size
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.trainer", address, config.list_file, "--transport", "shm",
-             "--passes", str(passes), "--batch-size", str(config.batch_size),
-             "--size", f"{height}x{width}"],
-            cwd=_REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.batches: list[tuple[int, float]] = []
-        self.ready = threading.Event()
-        self.done: dict | None = None
-        self.error = ""
-        self.on_batch = lambda n: None
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        import json
-
-        for line in self.proc.stdout:
-            if line.startswith("b "):
-                _, n, t = line.split()
-                self.batches.append((int(n), float(t)))
-                self.on_batch(int(n))
-            elif line.startswith("ready"):
-                self.ready.set()
-            elif line.startswith("done "):
-                self.done = json.loads(line[5:])
-            elif line.startswith("error "):
-                self.error = line[6:].strip()
-        self.ready.set()
-
-    def finish(self, timeout: float) -> None:
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise RuntimeError(f"a trainer did not finish within {timeout:g} s") from None
-        self._reader.join(10)
-        if code != 0 or self.done is None:
-            raise RuntimeError(f"a trainer failed (exit {code}): {self.error or 'no message'}")
-
-
 def run_trainers(config, meter, count: int):
     from gpufeed.server.process import ServerProcess
 
@@ -117,7 +68,10 @@ def run_trainers(config, meter, count: int):
 
     args = ["--data-root", config.root, "--threads", str(config.threads)]
     with ServerProcess(args) as server:
-        children = [_Child(server.address, config, config.passes) for _ in range(count)]
+        height, width = config.size
+        children = [TrainerProcess(server.address, config.list_file, passes=config.passes,
+                                   batch_size=config.batch_size, size=f"{height}x{width}")
+                    for _ in range(count)]
         try:
             for child in children:
                 child.on_batch = counted
@@ -126,10 +80,12 @@ def run_trainers(config, meter, count: int):
             sampler = threading.Thread(target=sample_cpu, daemon=True)
             sampler.start()
             for child in children:
-                child.proc.stdin.write("go\n")
-                child.proc.stdin.flush()
+                child.go()
             for child in children:
-                child.finish(600)
+                code = child.stop(600)  # its passes are done by then; stop() only waits
+                if code != 0 or child.done is None:
+                    raise RuntimeError(f"a trainer failed (exit {code}): "
+                                       f"{child.error or 'no message'}")
         finally:
             sampling.set()
             for child in children:
