@@ -9,7 +9,7 @@ import grpc
 from gpufeed.v1 import feed_pb2
 
 from .loader import Loader
-from .server import Server
+from .connection import Connection
 
 __all__ = ["FeedClient"]
 
@@ -48,7 +48,7 @@ class FeedClient:
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses:
             raise ValueError("FeedClient needs at least one server address")
-        self.servers = [Server(a, connect_timeout=connect_timeout, credentials=credentials,
+        self.servers = [Connection(a, connect_timeout=connect_timeout, credentials=credentials,
                                token=token) for a in addresses]
         self.address = ",".join(addresses)
 
@@ -104,7 +104,7 @@ class FeedClient:
         0 the server's default (10 samples or 0.1%). ``reconnect_timeout``:
         seconds to keep reconnecting after the server becomes unavailable (0: never).
         ``job``: share one pass with every loader naming the same job (one
-        server only; see gpufeed/server/jobs.py for what that keeps and loses).
+        server only; see gpufeed/server/sources.py for what that keeps and loses).
         """
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")

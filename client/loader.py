@@ -37,7 +37,7 @@ from gpufeed.v1 import feed_pb2
 
 from .batches import InlineBatches, ShmBatches
 from .errors import FeedError
-from .server import Server, transport_name
+from .connection import Connection, transport_name
 
 __all__ = ["Loader"]
 
@@ -55,7 +55,7 @@ class _Part:
 
 
 class Loader:
-    def __init__(self, servers: list[Server], request: feed_pb2.StreamRequest, *, copy: bool,
+    def __init__(self, servers: list[Connection], request: feed_pb2.StreamRequest, *, copy: bool,
                  reconnect_timeout: float):
         self._servers = servers
         self._request = request
@@ -157,7 +157,7 @@ class Loader:
                     time.sleep(backoff)
                     backoff, tried = min(2 * backoff, _MAX_BACKOFF), 0
 
-    def _pass(self, part: _Part, server: Server) -> Iterator[dict[str, torch.Tensor]]:
+    def _pass(self, part: _Part, server: Connection) -> Iterator[dict[str, torch.Tensor]]:
         """One Stream call for ``part`` from its position to the end of the epoch."""
         request = feed_pb2.StreamRequest()
         request.CopyFrom(self._request)

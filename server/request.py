@@ -22,7 +22,7 @@ from .decode import DecodeError
 from .paths import DataRoots, OutsideDataRoots
 from .ring import BatchLayout
 from .samples import ARRAYS, VIDEO, ArrayRows, ImageRows, VideoRows, sample_kind
-from .source import shard_order, split_batches
+from .order import shard_order, split_batches
 from .transform import OutputTransform
 
 __all__ = ["Limits", "RequestError", "StreamPlan", "plan_stream"]
@@ -59,7 +59,6 @@ class StreamPlan:
     """Everything a stream needs, checked: located paths, labels, batches, output."""
 
     paths: list[str]
-    kind: str
     reader: ImageRows | VideoRows | ArrayRows
     labels: np.ndarray | None
     classes: list[str]
@@ -141,7 +140,7 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     if not 0 <= req.start_batch <= len(batches):
         raise _invalid(f"start_batch must be in 0..{len(batches)} (batches in this stream), "
                        f"got {req.start_batch}")
-    return StreamPlan(paths=paths, kind=kind, reader=reader, labels=labels, classes=classes,
+    return StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,
                       batches=batches,
                       start_batch=req.start_batch, layout=layout, transform=transform,
                       transport=transport,

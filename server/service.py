@@ -23,7 +23,7 @@ from .metrics import ServerMetrics
 from .paths import DataRoots
 from .pool import DecodePool
 from .request import Limits, RequestError, StreamPlan, plan_stream
-from .jobs import JobRegistry, SharedJob
+from .sources import JobRegistry, SharedJob
 from .shm import ShmNamespace
 from .stream import Batch, Stream, StreamCancelled
 

@@ -2,7 +2,7 @@
 
 Batches start in order, each as soon as a slot is free (at open, then on every
 release), taken from the stream's source (its own pass, or a shared job's, see
-jobs.py); their rows go to the shared decode pool and may finish in any order.
+sources.py); their rows go to the shared decode pool and may finish in any order.
 ``published()`` hands batches out strictly by seq, so a batch's content never
 depends on timing: the reorder buffer is the ring itself.
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .decode import DecodeError
-from .jobs import OwnBatches, SharedJob
+from .sources import OwnBatches, SharedJob
 from .metrics import ServerMetrics
 from .paths import DataRoots
 from .pool import DecodePool

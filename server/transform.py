@@ -26,7 +26,6 @@ __all__ = ["OutputTransform", "Placement", "random_resized_crop_box", "sample_rn
 
 _DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "float16": torch.float16,
            "bfloat16": torch.bfloat16}
-DTYPE_NAMES = tuple(_DTYPES)
 
 
 class Placement(NamedTuple):

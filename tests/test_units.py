@@ -7,7 +7,7 @@ import pytest
 
 from gpufeed.server.paths import DataRoots, OutsideDataRoots
 from gpufeed.server.ring import BatchLayout, SlotRing
-from gpufeed.server.source import shard_order, split_batches
+from gpufeed.server.order import shard_order, split_batches
 
 
 def test_shard_then_shuffle():

@@ -1,4 +1,4 @@
-"""One gpufeed server as the client sees it: its channel, its Info, its transport."""
+"""A connection to one gpufeed server: its channel, its Info, its transport."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 from .errors import FeedError
 from .shm import shares_shm
 
-__all__ = ["Server", "transport_name"]
+__all__ = ["Connection", "transport_name"]
 
 _log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-class Server:
+class Connection:
     def __init__(self, address: str, *, connect_timeout: float,
                  credentials: grpc.ChannelCredentials | None, token: str | None):
         self.address = address
