@@ -12,9 +12,11 @@ nothing another program on the machine spends.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass
 
 __all__ = ["Meter", "Result", "tree_cpu_seconds"]
@@ -120,3 +122,13 @@ def tree_cpu_seconds(root: int | None = None) -> float:
             total += stats[pid][1]
         todo.extend(children.get(pid, ()))
     return total
+
+
+def write_report(report: dict, out: Path, name: str, latest: str) -> Path:
+    """``report`` as ``out/<name>-<time>.json`` and as ``out/<latest>``; the first's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    text = json.dumps(report, indent=1)
+    path.write_text(text)
+    (out / latest).write_text(text)
+    return path

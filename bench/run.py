@@ -22,6 +22,7 @@ from pathlib import Path
 
 from . import arrays, dataset
 from .accuracy import decoder_psnr
+from .measure import write_report
 from .worker import ROWS, Config, group
 
 __all__ = ["main"]
@@ -123,11 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         "load_average_end": _loadavg(),
     }
     print(format_table(report), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=1))
-    (args.out / "latest.json").write_text(json.dumps(report, indent=1))
-    _say(f"wrote {path}")
+    _say(f"wrote {write_report(report, args.out, 'bench', 'latest.json')}")
     return report
 
 

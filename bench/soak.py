@@ -21,7 +21,6 @@ or ``--tolerance-pct`` of the first minute's, whichever is larger.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 
 from . import dataset
+from .measure import write_report
 from .trainer import TrainerProcess
 
 __all__ = ["main"]
@@ -71,18 +71,21 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _fd_targets(pid: int):
+    """What each of the process's open descriptors points at (OSError if it is gone)."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            yield os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+
+
 def _shm_held(pid: int) -> dict[str, int]:
     """What the server still holds of shared memory whose name is gone (ended streams' segments):
     open descriptors to deleted /dev/shm files, and mappings of /dev/shm/gpufeed-* segments."""
-    fds = 0
     try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith(_SHM + "/gpufeed-") and target.endswith("(deleted)"):
-                fds += 1
+        fds = sum(1 for target in _fd_targets(pid)
+                  if target.startswith(_SHM + "/gpufeed-") and target.endswith("(deleted)"))
         with open(f"/proc/{pid}/maps") as f:
             maps = {line.split(None, 5)[5].strip() for line in f
                     if _SHM + "/gpufeed-" in line and "-probe" not in line}
@@ -102,11 +105,7 @@ def _shm_entries(server_id: str | None = None) -> list[str]:
 def _server_id(pid: int, before: set[str]) -> str | None:
     """The server's id, from the probe segment it holds open (/dev/shm/gpufeed-<id>-probe)."""
     try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
+        for target in _fd_targets(pid):
             name = os.path.basename(target)
             if target.startswith(_SHM + "/gpufeed-") and name.endswith("-probe"):
                 return name.split("-")[1]
@@ -215,11 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["verdict"] = _verdict(report, args)
     print(format_table(report), flush=True)
     print(report["verdict"]["line"], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(report, indent=1))
-    (args.out / "soak-latest.json").write_text(json.dumps(report, indent=1))
-    _say(f"wrote {path}")
+    _say(f"wrote {write_report(report, args.out, 'soak', 'soak-latest.json')}")
     return report
 
 
