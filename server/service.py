@@ -141,10 +141,11 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                                   args=(request_iterator, stream, segment), daemon=True)
         with self._lock:
             self._streams.add(stream)
+        header_sent = False
         try:
             if job is not None:
                 job.add_consumer(stream.wake)
-            context.add_callback(stream.cancel)
+            context.add_callback(stream.client_left)
             self._metrics.opened(stream, plan.transport)
             stream.start()
             reader.start()
@@ -158,6 +159,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 cuda_ipc=device_ring.export if device_ring else None,
                 classes=plan.classes,
             ))
+            header_sent = True
             for batch in stream.published():
                 if device_ring is not None:
                     device_ring.publish(batch, plan)
@@ -165,8 +167,6 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 sending = time.perf_counter()
                 yield message  # returns once gRPC has taken the message
                 self._metrics.sent(plan.transport, message, time.perf_counter() - sending)
-            if segment is not None:
-                stream.wait_attached()
         except StreamCancelled as e:
             if e.code is not None:
                 context.abort(e.code, e.message)
@@ -178,6 +178,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             if job is not None:
                 job.remove_consumer(stream.wake)
             if segment is not None:
+                if header_sent:  # the client is opening the name the header gave it
+                    stream.wait_attached()
                 segment.close()
 
 

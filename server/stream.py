@@ -153,6 +153,7 @@ class Stream:
         self.cond = threading.Condition()
         self.cancelled = False
         self.attached = False
+        self.client_gone = False
         self._ending = StreamCancelled()
         self._last_release = time.monotonic()
         self._pool = pool
@@ -194,11 +195,18 @@ class Stream:
     def wait_attached(self) -> None:
         """Until the client has mapped the memory (or is gone, or idle past the lease timeout).
 
-        A short stream can be sent in full before the client maps its segment:
-        ending the call would unlink the name the client is about to open.
+        Whatever ends a stream (its last batch, a failure budget spent, a drain)
+        can come before the client has mapped the segment the header named:
+        unlinking it then would turn the real status into "cannot map".
         """
         with self.cond:
-            self.cond.wait_for(lambda: self.attached or self.cancelled, self.plan.lease_timeout)
+            self.cond.wait_for(lambda: self.attached or self.client_gone, self.plan.lease_timeout)
+
+    def client_left(self) -> None:
+        """The call is over for the client (it cancelled, or the connection dropped)."""
+        with self.cond:
+            self.client_gone = True
+        self.cancel()
 
     def cancel(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
         """End the stream; ``published()`` raises StreamCancelled(code, message)."""

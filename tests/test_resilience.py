@@ -105,6 +105,20 @@ def test_failure_budget_ends_the_stream_with_examples(feed, data_dir, image_name
                                     failure_budget=0.2))) == 20
 
 
+def test_a_shm_stream_that_fails_at_once_reports_why(feed, image_names):
+    """The failure can end the stream before the trainer has mapped its segment; the
+    trainer must still get DATA_LOSS, not "cannot map the server's segment" (the
+    segment's name stays until the trainer has mapped it). Repeated because it was
+    a race: before the fix, about 4 streams in 10 got FAILED_PRECONDITION."""
+    codes = []
+    for _ in range(30):
+        with pytest.raises(FeedError) as info:
+            _indices(feed.loader(files=["gone.jpg"] + image_names[:3], batch_size=1,
+                                 size=(8, 8), transport="shm", failure_budget=0.001))
+        codes.append(info.value.code)
+    assert set(codes) == {grpc.StatusCode.DATA_LOSS}
+
+
 _MANY_STREAMS_CLIENT = textwrap.dedent("""
     import sys
     from gpufeed.client import FeedClient
