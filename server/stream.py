@@ -132,10 +132,8 @@ class Batch:
         if plan.labels is not None:
             self.arrays["label"][:rows] = plan.labels[kept]
         if plan.transform and self._stream.finish_on_host and not self._stream.cancelled:
-            image = self.arrays["image"]
-            plan.transform.finish_batch(torch.from_numpy(self.arrays.get("decoded", image)[:rows]),
-                                        torch.from_numpy(self.arrays["flip"][:rows]),
-                                        torch.from_numpy(image[:rows]))
+            slot = torch.from_numpy(self._stream.ring.slot(self.slot))
+            plan.transform.finish_slot(plan.layout.views(slot), rows)
         self._stream.metrics.stages["batch"].observe(time.perf_counter() - self._started)
 
 

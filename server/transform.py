@@ -8,7 +8,7 @@ a sample (crop box, flip) come from a generator seeded with (seed, epoch,
 sample index): the same on every run, thread count and resume.
 
 Everything after the decode (flip, x / 255, normalisation, dtype, layout) is
-``finish_batch``: torch operations on whichever device holds the batch (the
+``finish_slot``: torch operations on whichever device holds the batch (the
 GPU with ``--device cuda:N``, the CPU otherwise), run once per batch.
 """
 
@@ -117,6 +117,7 @@ class OutputTransform:
         if spec.mean and self.dtype == torch.uint8:
             raise ValueError("output.mean/std need a float output.dtype")
         self.mean, self.std = list(spec.mean), list(spec.std)
+        self._affines: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.channels_last = spec.layout == feed_pb2.LAYOUT_NHWC
         # The decoder writes uint8 NCHW; anything else needs a region of its own.
         self.converts = self.dtype != torch.uint8 or self.channels_last
@@ -164,16 +165,20 @@ class OutputTransform:
         return Placement(scaled_h, scaled_w, int(round((scaled_h - self.height) / 2.0)),
                          int(round((scaled_w - self.width) / 2.0)))
 
-    def finish_batch(self, decoded: torch.Tensor, flips: torch.Tensor,
-                     image: torch.Tensor) -> None:
-        """The batch pass: flip, scale to [0, 1], normalise, cast, lay out, into ``image``.
+    def finish_slot(self, arrays: dict[str, torch.Tensor], rows: int) -> None:
+        """The batch pass over a slot's first ``rows`` rows: flip, scale to [0, 1],
+        normalise, cast, lay out, into ``arrays["image"]``.
 
-        ``decoded`` is uint8 [n, 3, H, W] (video: [n, k, 3, H, W]) on the
-        batch's device, and may be ``image`` itself when nothing but flips is
-        asked; ``flips`` is bool [n].
+        ``arrays`` are the slot's BatchLayout views as tensors, on the host or
+        (cuda_ipc) on the device after the copy: the same code for both. The
+        decoder's uint8 [n, 3, H, W] (video: [n, k, 3, H, W]) is in
+        ``arrays["decoded"]``, or in ``image`` itself when nothing but flips is
+        asked; ``arrays["flip"]`` is bool [n].
         """
+        image = arrays["image"][:rows]
+        decoded = arrays["decoded"][:rows] if "decoded" in arrays else image
         if self.flip_probability:  # no data-dependent branch: no device sync on a GPU
-            mask = flips.view(-1, *[1] * (decoded.dim() - 1))
+            mask = arrays["flip"][:rows].view(-1, *[1] * (decoded.dim() - 1))
             decoded.copy_(torch.where(mask, decoded.flip(-1), decoded))
         if not self.converts:
             return
@@ -181,10 +186,20 @@ class OutputTransform:
         if self.dtype != torch.uint8:
             x = x.to(torch.float32)
             if self.mean:
-                std = torch.tensor(self.std, device=x.device).view(3, 1, 1)
-                mean = torch.tensor(self.mean, device=x.device).view(3, 1, 1)
-                x = torch.addcmul(-mean / std, x, 1 / (255 * std))
+                scale, shift = self._affine(x.device)
+                x = torch.addcmul(shift, x, scale)  # (x / 255 - mean) / std
             else:
                 x = x.mul_(1 / 255)
         target = image.view(self.dtype) if self.dtype == torch.bfloat16 else image
         target.copy_(x.movedim(-3, -1) if self.channels_last else x)
+
+    def _affine(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1 / (255 std), -mean / std) on ``device``, made once: made per batch, the
+        copy from pageable host memory would make the host wait for the GPU."""
+        affine = self._affines.get(device)
+        if affine is None:
+            std = torch.tensor(self.std).view(3, 1, 1)
+            mean = torch.tensor(self.mean).view(3, 1, 1)
+            affine = (1 / (255 * std)).to(device), (-mean / std).to(device)
+            self._affines[device] = affine
+        return affine
