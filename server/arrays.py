@@ -86,8 +86,12 @@ def read_arrays(file: BinaryIO | str | os.PathLike, suffix: str) -> dict[str, np
 
 
 def array_layout(first: dict[str, np.ndarray]) -> dict[str, ArraySpec]:
-    """The layout a batch takes from its first sample: key → dtype and per-sample shape."""
-    return {key: ArraySpec(array.dtype, tuple(array.shape)) for key, array in first.items()}
+    """The layout a batch takes from its first sample: key → dtype and per-sample shape.
+
+    Batches hold native byte order whatever the files hold: the wire names a
+    dtype without one, and the copy into the batch converts a big-endian file.
+    """
+    return {key: _spec(array) for key, array in first.items()}
 
 
 def check(sample: dict[str, np.ndarray], layout: dict[str, ArraySpec]) -> None:
@@ -95,9 +99,13 @@ def check(sample: dict[str, np.ndarray], layout: dict[str, ArraySpec]) -> None:
     if sample.keys() != layout.keys():
         raise DecodeError(f"keys {sorted(sample)} differ from the first sample's {sorted(layout)}")
     for key, spec in layout.items():
-        got = ArraySpec(sample[key].dtype, tuple(sample[key].shape))
+        got = _spec(sample[key])
         if got != spec:
             raise DecodeError(f"{key!r} is {got}, but the first sample's is {spec}")
+
+
+def _spec(array: np.ndarray) -> ArraySpec:
+    return ArraySpec(array.dtype.newbyteorder("="), tuple(array.shape))
 
 
 def _numpy_reason(message: str, suffix: str) -> str:
