@@ -1,20 +1,22 @@
 """Turning Batch messages into tensor dicts, for each transport.
 
-inline: the arrays arrive in the message; the client copies them once into a
-writable buffer and the tensors own that memory, so the slot is released as
-soon as the message is read.
+Every transport builds a batch's tensors the same way: as views of one storage
+per batch that holds the slot's bytes (``slot_tensors``). For inline the
+storage is a copy of the message's bytes, which the tensors own, so the slot
+is released as soon as the message is read.
 
-shm: the tensors are views of the stream's shared-memory slot, no copy. The
-slot is released when the trainer drops the batch (every tensor of it is
-garbage-collected), or when it fetches a batch while holding as many batches as
-the stream has slots: the oldest is then released while still referenced, with a
-warning, rather than deadlocking. ``copy=True`` gives owned tensors and releases
-at once.
+shm and cuda_ipc: the storage aliases the stream's shared slot, no copy. The
+slot is released when the trainer drops the batch (no tensor refers to it any
+more), or when it fetches a batch while holding as many batches as the stream
+has slots: the oldest is then released while still referenced, with a warning,
+rather than deadlocking (``HeldSlots``). ``copy=True`` gives owned tensors and
+releases at once.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -28,22 +30,36 @@ from gpufeed.v1 import feed_pb2
 from .errors import FeedError
 from .shm import map_segment
 
-__all__ = ["HeldSlots", "InlineBatches", "ShmBatches"]
+__all__ = ["HeldSlots", "InlineBatches", "ShmBatches", "slot_tensors", "storage_in_use"]
 
 _log = logging.getLogger(__name__)
 Release = Callable[[int], None]  # gives batch seq's slot back to the server
 
 
-def _tensors(buffer: np.ndarray, metas) -> dict[str, torch.Tensor]:
+def slot_tensors(slot: torch.UntypedStorage, metas) -> dict[str, torch.Tensor]:
+    """The batch's tensors, by name: views of ``slot`` (a slot's bytes, on any device)."""
     out = {}
     for meta in metas:
-        # numpy has no bfloat16: carry its bytes as uint16 and reinterpret in torch.
-        dtype = np.dtype(np.uint16 if meta.dtype == "bfloat16" else meta.dtype)
-        count = int(np.prod(meta.shape))
-        array = buffer[meta.offset:meta.offset + count * dtype.itemsize].view(dtype)
-        tensor = torch.from_numpy(array.reshape(tuple(meta.shape)))
-        out[meta.name] = tensor.view(torch.bfloat16) if meta.dtype == "bfloat16" else tensor
+        dtype = _torch_dtype(meta.dtype)
+        out[meta.name] = torch.empty(0, dtype=dtype, device=slot.device).set_(
+            slot, meta.offset // dtype.itemsize, tuple(meta.shape))
     return out
+
+
+def storage_in_use(storage: torch.UntypedStorage) -> bool:
+    """Whether a tensor still refers to ``storage`` (views of it count; copies do not).
+
+    Tensors of a CUDA buffer keep no Python object of their own alive that a
+    finaliser could watch; the storage's use count says whether they live.
+    """
+    return torch._C._storage_Use_Count(storage._cdata) > 1
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_dtype(name: str) -> torch.dtype:
+    if name == "bfloat16":  # numpy has no bfloat16; torch does
+        return torch.bfloat16
+    return torch.from_numpy(np.empty(0, np.dtype(name))).dtype
 
 
 class InlineBatches:
@@ -56,31 +72,40 @@ class InlineBatches:
         pass
 
     def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
-        return _tensors(np.frombuffer(bytearray(batch.data), np.uint8), batch.tensors)
+        owned = torch.frombuffer(bytearray(batch.data), dtype=torch.uint8) if batch.data else \
+            torch.empty(0, dtype=torch.uint8)
+        return slot_tensors(owned.untyped_storage(), batch.tensors)
 
 
 class HeldSlots:
     """The zero-copy batches the trainer still holds, oldest first.
 
-    Each is released when its base array is garbage-collected. ``make_room``
-    runs before the loader waits for a batch: if held batches take every slot,
-    the server could never send another, so the oldest is released while still
-    referenced (with a warning, once) rather than deadlocking.
+    Each is held with a test of whether the trainer still refers to it and a
+    function that gives its slot back (once). ``make_room`` runs before the
+    loader waits for a batch: it gives back the batches nobody refers to; if
+    held batches still take every slot, the server could never send another,
+    so the oldest is given back while still referenced (with a warning, once)
+    rather than deadlocking.
     """
 
-    def __init__(self, num_slots: int, release: Release, what: str):
+    def __init__(self, num_slots: int, what: str):
         self._num_slots = num_slots
-        self._release = release
         self._what = what
-        self._held: collections.deque[weakref.finalize] = collections.deque()
+        self._held: collections.deque[tuple[Callable[[], bool], Callable[[], None]]] = \
+            collections.deque()
         self._warned = False
 
-    def hold(self, base, seq: int) -> None:
-        self._held.append(weakref.finalize(base, self._release, seq))
+    def hold(self, in_use: Callable[[], bool], give_back: Callable[[], None]) -> None:
+        self._held.append((in_use, give_back))
 
     def make_room(self) -> None:
-        while self._held and not self._held[0].alive:
-            self._held.popleft()
+        still_held = collections.deque()
+        for in_use, give_back in self._held:
+            if in_use():
+                still_held.append((in_use, give_back))
+            else:
+                give_back()
+        self._held = still_held
         if len(self._held) >= self._num_slots:
             if not self._warned:
                 self._warned = True
@@ -88,7 +113,7 @@ class HeldSlots:
                     "the trainer holds all %d %s batches of this stream; the oldest is being "
                     "reused while still referenced. Drop batches sooner, raise prefetch, or "
                     "pass copy=True to keep them.", self._num_slots, self._what)
-            self._held.popleft()()
+            self._held.popleft()[1]()
 
 
 class ShmBatches:
@@ -101,7 +126,8 @@ class ShmBatches:
                             f"must share the server's /dev/shm and user; use transport='auto' "
                             f"or 'inline'") from None
         self._slot_bytes = header.slot_bytes
-        self._held = HeldSlots(header.num_slots, release, "shared-memory")
+        self._release = release
+        self._held = HeldSlots(header.num_slots, "shared-memory")
         self.make_room = self._held.make_room
         self.release_at_once = copy
 
@@ -109,11 +135,14 @@ class ShmBatches:
         pass
 
     def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
+        # The storage keeps ``base`` alive while any tensor of the batch lives, so a
+        # finaliser on ``base`` releases the slot as soon as the trainer drops the
+        # batch, not only at the next fetch.
         base = np.frombuffer(self._memory, np.uint8, count=self._slot_bytes,
                              offset=batch.slot * self._slot_bytes)
-        tensors = _tensors(base, batch.tensors)
+        tensors = slot_tensors(torch.from_numpy(base).untyped_storage(), batch.tensors)
         if self.release_at_once:
-            tensors = {name: t.clone() for name, t in tensors.items()}
-        else:
-            self._held.hold(base, batch.seq)
+            return {name: t.clone() for name, t in tensors.items()}
+        released = weakref.finalize(base, self._release, batch.seq)
+        self._held.hold(lambda: released.alive, released)
         return tensors

@@ -2,24 +2,20 @@
 
 The stream's device buffer is opened once (as torch.multiprocessing does for a
 shared CUDA storage) on the local GPU with the server's UUID. Each batch is a
-set of views of its slot; before they are returned, the trainer's current
+set of views of its slot (``slot_tensors`` over a storage of the batch's own
+that aliases the slot, so its use count tells when the trainer has dropped
+the batch: see batches.py). Before they are returned, the trainer's current
 stream waits on the slot's ready event, so kernels queued afterwards see the
 finished batch without a host synchronisation.
 
-Each batch's tensors are built on a storage of their own that aliases the slot
-(torch keeps no Python object alive for views of a CUDA buffer, so a
-finaliser cannot tell when a batch is dropped; a storage's use count can).
-Before each fetch the loader asks ``make_room``, which finds the batches no
-tensor refers to any more, records an event on the trainer's current stream
-for each, and a watcher thread sends the Release once that event has
-completed: the server never rewrites a slot that queued kernels still read. Requirements and failure modes are listed in
-gpufeed/server/cuda_ipc.py.
+A dropped batch is given back by recording an event on the trainer's current
+stream; a watcher thread sends the Release once that event has completed, so
+the server never rewrites a slot that queued kernels still read. Requirements
+and failure modes are listed in gpufeed/server/cuda_ipc.py.
 """
 
 from __future__ import annotations
 
-import collections
-import logging
 import queue
 import threading
 
@@ -28,12 +24,10 @@ import torch
 
 from gpufeed.v1 import feed_pb2
 
-from .batches import Release
+from .batches import HeldSlots, Release, slot_tensors, storage_in_use
 from .errors import FeedError
 
 __all__ = ["CudaBatches", "local_device"]
-
-_log = logging.getLogger(__name__)
 
 
 def local_device(uuid: str) -> int | None:
@@ -74,9 +68,8 @@ class CudaBatches:
         self._finished: queue.SimpleQueue = queue.SimpleQueue()  # put() is GC-safe
         threading.Thread(target=self._release_when_finished, daemon=True,
                          name="gpufeed-cuda-release").start()
-        self._num_slots = header.num_slots
-        self._held: collections.deque[tuple[int, torch.UntypedStorage]] = collections.deque()
-        self._warned = False
+        self._held = HeldSlots(header.num_slots, "CUDA")
+        self.make_room = self._held.make_room
         self._copy = copy
         # Releases wait for the trainer's kernels: the loader must not send them itself.
         self.release_at_once = False
@@ -85,39 +78,19 @@ class CudaBatches:
         torch.cuda.current_stream(self.device).wait_event(self._ready[batch.slot])
         start = batch.slot * self._slot_bytes
         slot = self._storage[start:start + self._slot_bytes]  # a storage of its own, aliased
-        tensors = {}
-        for meta in batch.tensors:
-            dtype = getattr(torch, meta.dtype)
-            tensors[meta.name] = torch.empty(0, dtype=dtype, device=self.device).set_(
-                slot, meta.offset // dtype.itemsize, tuple(meta.shape))
+        tensors = slot_tensors(slot, batch.tensors)
         if self._copy:
             tensors = {name: t.clone() for name, t in tensors.items()}
-            self._record_release(batch.seq)
+            self._give_back(batch.seq)
         else:
-            self._held.append((batch.seq, slot))
+            self._held.hold(lambda: storage_in_use(slot), lambda: self._give_back(batch.seq))
         return tensors
-
-    def make_room(self) -> None:
-        """Release the batches nothing refers to; if every slot is still held, the oldest."""
-        still_held = collections.deque()
-        for seq, slot in self._held:
-            if torch._C._storage_Use_Count(slot._cdata) > 1:  # a tensor still uses it
-                still_held.append((seq, slot))
-            else:
-                self._record_release(seq)
-        self._held = still_held
-        if len(self._held) >= self._num_slots:
-            if not self._warned:
-                self._warned = True
-                _log.warning("the trainer holds all %d CUDA batches of this stream; the oldest "
-                             "is being reused while still referenced. Drop batches sooner, raise "
-                             "prefetch, or pass copy=True to keep them.", self._num_slots)
-            self._record_release(self._held.popleft()[0])
 
     def close(self) -> None:
         self._finished.put(None)
 
-    def _record_release(self, seq: int) -> None:
+    def _give_back(self, seq: int) -> None:
+        """Release ``seq`` once the kernels queued so far on the trainer's stream are done."""
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         self._finished.put((seq, done))

@@ -19,9 +19,10 @@ What it needs, and what goes wrong otherwise:
   trainer with "cudaIpcOpenMemHandle ... invalid argument" (or "invalid device
   context"), surfaced as a FeedError naming cuda_ipc; ``auto`` never picks
   cuda_ipc unless the shared-memory probe shows the two share /dev/shm.
-* the caching allocator without ``expandable_segments`` (its memory cannot be
-  exported): the server refuses to start with ``--device cuda:N`` while
-  PYTORCH_CUDA_ALLOC_CONF enables it.
+* torch's native caching allocator without ``expandable_segments`` (neither
+  that nor the ``cudaMallocAsync`` backend can export its memory): the server
+  refuses to start with ``--device cuda:N`` while PYTORCH_ALLOC_CONF (or the
+  older PYTORCH_CUDA_ALLOC_CONF) asks for either, naming the setting.
 * the server outlives the batches the trainer still holds: device memory is
   the server's; a trainer must not touch batches after the server has gone.
 """
@@ -48,16 +49,28 @@ def check_device(name: str) -> torch.device:
         return device
     if device.type != "cuda":
         raise ValueError(f"--device {name!r}: only cpu and cuda:N are supported")
+    for variable, setting in _unshareable_allocator_settings():
+        raise ValueError(f"--device {name}: {variable} sets {setting}, whose memory cannot be "
+                         f"shared over CUDA IPC; unset it for the server")
     if not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available to this server "
                          f"(torch.cuda.is_available() is False)")
-    if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
-        raise ValueError(f"--device {name}: PYTORCH_CUDA_ALLOC_CONF enables expandable_segments, "
-                         f"whose memory cannot be shared over CUDA IPC; unset it for the server")
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index >= torch.cuda.device_count():
         raise ValueError(f"--device {name}: this server sees {torch.cuda.device_count()} GPUs")
     return torch.device("cuda", index)
+
+
+def _unshareable_allocator_settings() -> list[tuple[str, str]]:
+    """(variable, "key:value") of each allocator setting whose memory CUDA IPC cannot export."""
+    found = []
+    for variable in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        for option in os.environ.get(variable, "").split(","):
+            key, _, value = (part.strip() for part in option.partition(":"))
+            if (key, value.lower()) in (("expandable_segments", "true"),
+                                        ("backend", "cudamallocasync")):
+                found.append((variable, f"{key}:{value}"))
+    return found
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -65,27 +78,37 @@ def gpu_uuid(device: torch.device) -> str:
 
 
 class DeviceRing:
-    """A pinned host ring and its device twin, exported once."""
+    """A pinned host ring and its device twin, exported once.
 
-    def __init__(self, device: torch.device, num_slots: int, slot_bytes: int,
-                 observe_copy: Callable[[float], None]):
-        self.slot_bytes = slot_bytes
+    Only the spans the host writes (decoded pixels, index, label, flip) are
+    copied: a float output region is written on the device by the batch pass,
+    and copying it too would move 5x the bytes of the uint8 it comes from.
+    """
+
+    def __init__(self, device: torch.device, plan, observe_copy: Callable[[float], None]):
+        slots_bytes = plan.num_slots * plan.layout.slot_bytes
+        self.slot_bytes = plan.layout.slot_bytes
+        self._spans = _host_written_spans(plan.layout)
         # Timing events around each slot's copy; read when the slot is next published,
         # by which time the trainer has released it, so the copy is long finished.
-        self._timing = [None] * num_slots
+        self._timing = [None] * plan.num_slots
         self._observe_copy = observe_copy
-        self.host = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=True)
-        self.device = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, device=device)
-        self._copies = torch.cuda.Stream(device)
-        self._ready = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
-        (_, handle, size, offset, counter_handle, counter_offset, event_handle,
-         event_sync) = self.device.untyped_storage()._share_cuda_()
+        # Events are created on the current device: make it the ring's (cuda:N, not 0).
+        with torch.cuda.device(device):
+            self.host = torch.empty(slots_bytes, dtype=torch.uint8, pin_memory=True)
+            self.device = torch.empty(slots_bytes, dtype=torch.uint8, device=device)
+            self._copies = torch.cuda.Stream(device)
+            # Freed at the stream's end: not reused before the copies queued on it finish.
+            self.device.record_stream(self._copies)
+            self._ready = [torch.cuda.Event(interprocess=True) for _ in range(plan.num_slots)]
+            slot_events = [event.ipc_handle() for event in self._ready]
+            (_, handle, size, offset, counter_handle, counter_offset, event_handle,
+             event_sync) = self.device.untyped_storage()._share_cuda_()
         self.export = feed_pb2.CudaIpc(
             gpu_uuid=gpu_uuid(device), storage_handle=handle, storage_size=size,
             storage_offset=offset, ref_counter_handle=counter_handle,
             ref_counter_offset=counter_offset, event_handle=event_handle,
-            event_sync_required=event_sync,
-            slot_events=[event.ipc_handle() for event in self._ready])
+            event_sync_required=event_sync, slot_events=slot_events)
 
     def host_buffer(self):
         """The host ring as a buffer the slot ring and decode threads write into."""
@@ -103,11 +126,24 @@ class DeviceRing:
         with torch.cuda.stream(self._copies):
             slot = self.device[start:start + self.slot_bytes]
             began.record(self._copies)
-            slot.copy_(self.host[start:start + self.slot_bytes], non_blocking=True)
+            for begin, end in self._spans:
+                slot[begin:end].copy_(self.host[start + begin:start + end], non_blocking=True)
             ended.record(self._copies)
             if plan.transform is not None:
-                arrays = plan.layout.views(slot)
-                rows = batch.rows
-                plan.transform.finish_batch(arrays.get("decoded", arrays["image"])[:rows],
-                                            arrays["flip"][:rows], arrays["image"][:rows])
+                plan.transform.finish_slot(plan.layout.views(slot), batch.rows)
             self._ready[batch.slot].record(self._copies)
+
+
+def _host_written_spans(layout) -> list[tuple[int, int]]:
+    """(begin, end) byte ranges of a slot that the host writes, adjacent ones merged."""
+    device_made = {"image"} if any(p.name == "decoded" for p in layout.places) else set()
+    spans: list[tuple[int, int]] = []
+    for place, next_offset in zip(layout.places, [p.offset for p in layout.places[1:]]
+                                  + [layout.slot_bytes]):
+        if place.name in device_made:
+            continue
+        if spans and spans[-1][1] == place.offset:
+            spans[-1] = spans[-1][0], next_offset
+        else:
+            spans.append((place.offset, next_offset))
+    return spans

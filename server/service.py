@@ -122,8 +122,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             if plan.transport == feed_pb2.TRANSPORT_CUDA_IPC:
                 from .cuda_ipc import DeviceRing
 
-                ring = DeviceRing(self._device, plan.num_slots, plan.layout.slot_bytes,
-                                  self._metrics.stages["device_copy"].observe)
+                ring = DeviceRing(self._device, plan, self._metrics.stages["device_copy"].observe)
                 return ring.host_buffer(), None, ring
             return bytearray(slots_bytes), None, None
         except (MemoryError, OSError, RuntimeError) as e:  # ENOSPC in /dev/shm, CUDA OOM

@@ -1,26 +1,126 @@
-"""The cuda_ipc transport. End-to-end tests need a GPU; refusals are checked everywhere."""
+"""The cuda_ipc transport.
+
+End-to-end tests need a GPU (marked ``cuda``). Everything around the few CUDA
+calls runs here on the CPU: refusals, what the server copies to the device,
+and the client's per-batch views of a shared buffer and their release.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from gpufeed.client import FeedClient
+from gpufeed.client.batches import HeldSlots, slot_tensors, storage_in_use
+from gpufeed.server.cuda_ipc import _host_written_spans
+from gpufeed.server.paths import DataRoots
 from gpufeed.server.process import ServerProcess
+from gpufeed.server.request import Limits, plan_stream
+from gpufeed.v1 import feed_pb2
 from support import MIN_PSNR_DB, psnr, reference_decode
+
+
+def _refusal(data_dir, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpufeed.server", "--data-root", str(data_dir),
+                           "--device", "cuda:0", "--listen", "127.0.0.1:0"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **env})
 
 
 def test_cpu_server_refuses_a_missing_gpu_clearly(data_dir):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    result = subprocess.run([sys.executable, "-m", "gpufeed.server", "--data-root", str(data_dir),
-                             "--device", "cuda:0", "--listen", "127.0.0.1:0"],
-                            capture_output=True, text=True, timeout=60)
+    result = _refusal(data_dir, {})
     assert result.returncode == 2
     assert "--device cuda:0: CUDA is not available" in result.stderr
+
+
+@pytest.mark.parametrize("variable, setting", [
+    ("PYTORCH_ALLOC_CONF", "expandable_segments:True"),
+    ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, backend:cudaMallocAsync"),
+])
+def test_allocators_whose_memory_cannot_be_shared_are_refused(data_dir, variable, setting):
+    result = _refusal(data_dir, {variable: setting})
+    assert result.returncode == 2
+    exported = setting.split(", ")[-1]
+    assert f"{variable} sets {exported}, whose memory cannot be shared over CUDA IPC" in \
+        result.stderr
+
+
+def _plan(data_dir, **output) -> object:
+    request = feed_pb2.StreamRequest(
+        files=feed_pb2.FileList(paths=["a.jpg"]), batch_size=4, labels=[3],
+        output=feed_pb2.OutputSpec(height=8, width=8, **output))
+    return plan_stream(request, DataRoots([str(data_dir)]), Limits(),
+                       (feed_pb2.TRANSPORT_INLINE,))
+
+
+def test_the_device_copy_skips_the_region_the_gpu_writes(data_dir):
+    """A float batch is made on the GPU from the uint8 pixels: only those, index, label
+    and flip cross to the device, not the (4x larger) float region."""
+    plan = _plan(data_dir, dtype="float32", mean=[0.5] * 3, std=[0.2] * 3)
+    places = {p.name: p for p in plan.layout.places}
+    copied = bytearray(plan.layout.slot_bytes)
+    for begin, end in _host_written_spans(plan.layout):
+        copied[begin:end] = b"\1" * (end - begin)
+    for name, place in places.items():
+        size = plan.layout.batch_size * place.dtype.itemsize * int(np.prod(place.sample_shape))
+        region = copied[place.offset:place.offset + size]
+        assert all(region) == (name != "image") and any(region) == (name != "image"), name
+    uint8 = _plan(data_dir)
+    assert _host_written_spans(uint8.layout) == [(0, uint8.layout.slot_bytes)]
+
+
+def _meta(name: str, dtype: str, shape: tuple[int, ...], offset: int) -> feed_pb2.TensorMeta:
+    return feed_pb2.TensorMeta(name=name, dtype=dtype, shape=shape, offset=offset)
+
+
+def test_batch_views_of_a_shared_buffer_are_released_once_dropped(caplog):
+    """The client's cuda_ipc bookkeeping over a CPU buffer standing in for the opened
+    device allocation: tensors alias their slot, and a slot goes back only when no
+    tensor (or view of one) refers to it; holding every slot gives the oldest back."""
+    slot_bytes, num_slots = 4096, 3
+    ring = torch.zeros(slot_bytes * num_slots, dtype=torch.uint8).untyped_storage()
+    metas = [_meta("image", "uint8", (2, 3), 0), _meta("half", "bfloat16", (2,), 64),
+             _meta("index", "int64", (2,), 128)]
+    released: list[int] = []
+    held = HeldSlots(num_slots, "CUDA")
+
+    def fetch(seq: int) -> dict[str, torch.Tensor]:
+        held.make_room()
+        slot = ring[(seq % num_slots) * slot_bytes:(seq % num_slots + 1) * slot_bytes]
+        tensors = slot_tensors(slot, metas)
+        held.hold(lambda: storage_in_use(slot), lambda: released.append(seq))
+        return tensors
+
+    first = fetch(0)
+    first["index"].copy_(torch.tensor([7, 9]))
+    first["half"].copy_(torch.tensor([1.5, -2.0]))
+    again = slot_tensors(ring[:slot_bytes], metas)  # the same bytes, through another view
+    assert again["index"].tolist() == [7, 9] and again["half"].tolist() == [1.5, -2.0]
+    del again
+    row, index = first["image"][1], first["index"]  # a view of a tensor; a tensor
+    del first
+    second = fetch(1)
+    assert released == []
+    del row
+    third = fetch(2)
+    assert released == []  # batch 0 is still held, by `index` alone
+    del index
+    copied = third["image"].clone()  # a copy does not hold its batch
+    del third
+    fourth = fetch(3)
+    assert released == [0, 2]  # batch 1 is still held
+    fifth = fetch(4)
+    with caplog.at_level(logging.WARNING, logger="gpufeed.client.batches"):
+        fetch(5)  # batches 1, 3 and 4 hold all three slots: the oldest goes back, warned
+    assert released == [0, 2, 1] and "holds all 3 CUDA batches" in caplog.text
+    assert second and fourth and fifth and copied.shape == (2, 3)
 
 
 @pytest.fixture(scope="module")
