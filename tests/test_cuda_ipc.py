@@ -160,3 +160,19 @@ def test_slots_are_reused_only_after_release(gpu_server, data_dir, image_names):
             for row, i in enumerate(batch["index"].tolist()):
                 ref = reference_decode(data_dir / image_names[i], 48, 48)
                 assert psnr(batch["image"][row].cpu().numpy(), ref) >= MIN_PSNR_DB
+
+
+@pytest.mark.cuda
+def test_the_batch_pass_on_the_gpu_equals_the_cpu_path(gpu_server, image_names):
+    """Flip, normalise, float16 and NHWC made on the GPU, from the uint8 pixels copied
+    alone to the device, equal what the CPU makes of the same request."""
+    options = dict(files=image_names[:48], batch_size=16, size=(32, 40), flip=0.5, seed=3,
+                   dtype="float16", mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
+                   layout="NHWC")
+    with FeedClient(gpu_server.address) as feed:
+        gpu = [b["image"].cpu() for b in feed.loader(transport="cuda_ipc", **options)]
+        cpu = [b["image"].clone() for b in feed.loader(transport="inline", **options)]
+    assert len(gpu) == len(cpu) == 3
+    for g, c in zip(gpu, cpu):
+        assert g.shape == (16, 32, 40, 3) and g.dtype == torch.float16
+        torch.testing.assert_close(g, c, rtol=0, atol=1e-2)  # float16 rounding of one op order
