@@ -4,7 +4,9 @@ A Stream call runs on a gRPC worker thread, which yields the header and then
 each published batch. A second thread per stream reads the client's later
 messages (attached, release). Whatever ends the call (last batch, client gone,
 bad message, server stopping), ``finally`` closes the stream: decode work is
-cancelled and its shared-memory segment, if any, is removed.
+cancelled and its shared memory or device ring is let go, once the client has
+mapped or opened it (or left, or had ``_ATTACH_GRACE`` seconds to), so that the
+status it gets is the real one and not "cannot map".
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ __all__ = ["FeedServicer"]
 _log = logging.getLogger(__name__)
 # Inline arrays start at multiples of this, so every dtype can be viewed in place.
 _INLINE_ALIGN = 64
+# A client maps (shm) or opens (cuda_ipc) its stream's memory as soon as it reads
+# the header; one that has not after this many seconds never will.
+_ATTACH_GRACE = 10.0
 
 
 class FeedServicer(feed_pb2_grpc.FeedServicer):
@@ -140,11 +145,12 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                                   args=(request_iterator, stream, segment), daemon=True)
         with self._lock:
             self._streams.add(stream)
-        header_sent = False
+        header_sent_at = None
         try:
             if job is not None:
                 job.add_consumer(stream.wake)
-            context.add_callback(stream.client_left)
+            if not context.add_callback(stream.client_left):  # the call has ended already
+                stream.client_left()
             self._metrics.opened(stream, plan.transport)
             stream.start()
             reader.start()
@@ -158,7 +164,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 cuda_ipc=device_ring.export if device_ring else None,
                 classes=plan.classes,
             ))
-            header_sent = True
+            header_sent_at = time.monotonic()
             for batch in stream.published():
                 if device_ring is not None:
                     device_ring.publish(batch, plan)
@@ -176,10 +182,13 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             stream.close()
             if job is not None:
                 job.remove_consumer(stream.wake)
+            if header_sent_at is not None and (segment is not None or device_ring is not None):
+                # The client may be opening what the header named: not gone until it has.
+                stream.wait_attached(header_sent_at + _ATTACH_GRACE)
             if segment is not None:
-                if header_sent:  # the client is opening the name the header gave it
-                    stream.wait_attached()
                 segment.close()
+            if device_ring is not None:
+                device_ring.close(opened=stream.attached)
 
 
 def _read_client(request_iterator, stream: Stream, segment) -> None:
@@ -197,8 +206,9 @@ def _read_client(request_iterator, stream: Stream, segment) -> None:
                                   f"release: batch {e.args[0]} is not one this stream sent and "
                                   f"has not had back")
                     return
-            elif kind == "attached" and segment is not None:
-                segment.unlink()
+            elif kind == "attached":
+                if segment is not None:
+                    segment.unlink()
                 stream.attach()
     except grpc.RpcError:
         pass  # the call ended; the handler cleans up

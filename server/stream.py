@@ -185,23 +185,26 @@ class Stream:
             self.cond.notify_all()
 
     def attach(self) -> None:
-        """The client has mapped the stream's shared memory."""
+        """The client has mapped the stream's shared memory, or opened its device memory."""
         with self.cond:
             self.attached = True
             self.cond.notify_all()
 
-    def wait_attached(self) -> None:
-        """Until the client has mapped the memory (or is gone, or idle past the lease timeout).
+    def wait_attached(self, deadline: float) -> None:
+        """Until the client has mapped (or opened) the memory, is gone, or ``deadline``
+        (time.monotonic) has passed.
 
         Whatever ends a stream (its last batch, a failure budget spent, a drain)
         can come before the client has mapped the segment the header named:
         unlinking it then would turn the real status into "cannot map".
         """
         with self.cond:
-            self.cond.wait_for(lambda: self.attached or self.client_gone, self.plan.lease_timeout)
+            self.cond.wait_for(lambda: self.attached or self.client_gone,
+                               max(deadline - time.monotonic(), 0))
 
     def client_left(self) -> None:
-        """The call is over for the client (it cancelled, or the connection dropped)."""
+        """The call is over (gRPC's callback: the client cancelled or its connection
+        dropped, or, after the handler, any end): nobody will attach any more."""
         with self.cond:
             self.client_gone = True
         self.cancel()
