@@ -30,7 +30,8 @@ from gpufeed.v1 import feed_pb2
 from .errors import FeedError
 from .shm import map_segment
 
-__all__ = ["HeldSlots", "InlineBatches", "ShmBatches", "slot_tensors", "storage_in_use"]
+__all__ = ["HeldSlots", "InlineBatches", "SharedSlots", "ShmBatches", "slot_tensors",
+           "storage_in_use"]
 
 _log = logging.getLogger(__name__)
 Release = Callable[[int], None]  # gives batch seq's slot back to the server
@@ -51,11 +52,13 @@ def storage_in_use(storage: torch.UntypedStorage) -> bool:
 
     Tensors of a CUDA buffer keep no Python object of their own alive that a
     finaliser could watch; the storage's use count says whether they live.
+    ``_storage_Use_Count`` is private torch API (here since torch 2.0): the
+    CPU test of SharedSlots is what guards it against a torch upgrade.
     """
     return torch._C._storage_Use_Count(storage._cdata) > 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torch_dtype(name: str) -> torch.dtype:
     if name == "bfloat16":  # numpy has no bfloat16; torch does
         return torch.bfloat16
@@ -72,8 +75,9 @@ class InlineBatches:
         pass
 
     def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
-        owned = torch.frombuffer(bytearray(batch.data), dtype=torch.uint8) if batch.data else \
-            torch.empty(0, dtype=torch.uint8)
+        if not batch.data:  # every sample failed: empty tensors (frombuffer refuses b"")
+            return slot_tensors(torch.UntypedStorage(0), batch.tensors)
+        owned = torch.frombuffer(bytearray(batch.data), dtype=torch.uint8)
         return slot_tensors(owned.untyped_storage(), batch.tensors)
 
 
@@ -114,6 +118,37 @@ class HeldSlots:
                     "reused while still referenced. Drop batches sooner, raise prefetch, or "
                     "pass copy=True to keep them.", self._num_slots, self._what)
             self._held.popleft()[1]()
+
+
+class SharedSlots:
+    """Batches as views of one storage of ``num_slots`` slots that the server shares
+    (cuda_ipc's opened device buffer; any device, so it is tested on the CPU).
+
+    Each batch gets a storage of its own that aliases its slot, so that its use
+    count tells when the trainer has dropped the batch; ``give_back`` is then
+    called at the next ``make_room``. With ``copy``, the tensors are clones and
+    the slot goes back at once.
+    """
+
+    def __init__(self, storage: torch.UntypedStorage, num_slots: int, slot_bytes: int,
+                 copy: bool, what: str):
+        self._storage = storage
+        self._slot_bytes = slot_bytes
+        self._copy = copy
+        self._held = HeldSlots(num_slots, what)
+        self.make_room = self._held.make_room
+
+    def tensors(self, batch: feed_pb2.Batch,
+                give_back: Callable[[], None]) -> dict[str, torch.Tensor]:
+        start = batch.slot * self._slot_bytes
+        slot = self._storage[start:start + self._slot_bytes]  # a storage of its own, aliased
+        tensors = slot_tensors(slot, batch.tensors)
+        if self._copy:
+            tensors = {name: t.clone() for name, t in tensors.items()}
+            give_back()
+        else:
+            self._held.hold(lambda: storage_in_use(slot), give_back)
+        return tensors
 
 
 class ShmBatches:

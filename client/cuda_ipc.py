@@ -2,15 +2,18 @@
 
 The stream's device buffer is opened once (as torch.multiprocessing does for a
 shared CUDA storage) on the local GPU with the server's UUID. Each batch is a
-set of views of its slot (``slot_tensors`` over a storage of the batch's own
-that aliases the slot, so its use count tells when the trainer has dropped
-the batch: see batches.py). Before they are returned, the trainer's current
-stream waits on the slot's ready event, so kernels queued afterwards see the
-finished batch without a host synchronisation.
+set of views of its slot, and is known to be dropped when no tensor uses its
+slot's storage any more (``SharedSlots`` in batches.py, device-agnostic and
+tested on the CPU). Before they are returned, the trainer's current stream
+waits on the slot's ready event, so kernels queued afterwards see the finished
+batch without a host synchronisation.
 
-A dropped batch is given back by recording an event on the trainer's current
-stream; a watcher thread sends the Release once that event has completed, so
-the server never rewrites a slot that queued kernels still read. Requirements
+A dropped batch is given back by recording an event on the stream that was
+current when it was fetched; a watcher thread sends the Release once that
+event has completed, so the server never rewrites a slot that kernels queued
+there still read. A trainer that reads a batch on another stream orders that
+stream itself (``other.wait_stream(fetching)`` before, and the reverse before
+it drops the batch), as for any tensor shared between streams. Requirements
 and failure modes are listed in gpufeed/server/cuda_ipc.py.
 """
 
@@ -24,7 +27,7 @@ import torch
 
 from gpufeed.v1 import feed_pb2
 
-from .batches import HeldSlots, Release, slot_tensors, storage_in_use
+from .batches import Release, SharedSlots
 from .errors import FeedError
 
 __all__ = ["CudaBatches", "local_device"]
@@ -51,6 +54,10 @@ class CudaBatches:
         self.device = torch.device("cuda", index)
         torch.cuda._lazy_init()
         try:
+            self._ready = [torch.cuda.Event.from_ipc_handle(self.device, handle)
+                           for handle in ipc.slot_events]
+            # Last: from here on this process owns the count that keeps the ring allocated
+            # (and the loader says `attached`); a failure before leaves it to the server.
             storage = torch.UntypedStorage._new_shared_cuda(
                 index, ipc.storage_handle, ipc.storage_size, ipc.storage_offset,
                 ipc.ref_counter_handle, ipc.ref_counter_offset, ipc.event_handle,
@@ -58,44 +65,34 @@ class CudaBatches:
         except RuntimeError as e:
             raise FeedError(grpc.StatusCode.FAILED_PRECONDITION,
                             f"cuda_ipc: cannot open the server's GPU memory ({e}); trainer and "
-                            f"server containers need `ipc: host` and a shared pid namespace, or "
-                            f"use transport='shm'") from None
-        self._storage = storage
-        self._ready = [torch.cuda.Event.from_ipc_handle(self.device, handle)
-                       for handle in ipc.slot_events]
-        self._slot_bytes = header.slot_bytes
+                            f"server containers need `ipc: host`, a shared pid namespace and the "
+                            f"same user, or use transport='shm'") from None
+        self._slots = SharedSlots(storage, header.num_slots, header.slot_bytes, copy, "CUDA")
+        self.make_room = self._slots.make_room
         self._release = release
         self._finished: queue.SimpleQueue = queue.SimpleQueue()  # put() is GC-safe
         threading.Thread(target=self._release_when_finished, daemon=True,
                          name="gpufeed-cuda-release").start()
-        self._held = HeldSlots(header.num_slots, "CUDA")
-        self.make_room = self._held.make_room
-        self._copy = copy
         # Releases wait for the trainer's kernels: the loader must not send them itself.
         self.release_at_once = False
 
     def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
-        torch.cuda.current_stream(self.device).wait_event(self._ready[batch.slot])
-        start = batch.slot * self._slot_bytes
-        slot = self._storage[start:start + self._slot_bytes]  # a storage of its own, aliased
-        tensors = slot_tensors(slot, batch.tensors)
-        if self._copy:
-            tensors = {name: t.clone() for name, t in tensors.items()}
-            self._give_back(batch.seq)
-        else:
-            self._held.hold(lambda: storage_in_use(slot), lambda: self._give_back(batch.seq))
-        return tensors
+        stream = torch.cuda.current_stream(self.device)  # the batch is ready on this one
+        stream.wait_event(self._ready[batch.slot])
+        seq = batch.seq
+        return self._slots.tensors(batch, lambda: self._give_back(seq, stream))
 
     def close(self) -> None:
         self._finished.put(None)
 
-    def _give_back(self, seq: int) -> None:
-        """Release ``seq`` once the kernels queued so far on the trainer's stream are done."""
+    def _give_back(self, seq: int, stream: torch.cuda.Stream) -> None:
+        """Release ``seq`` once the kernels queued so far on ``stream`` are done."""
         done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
+        done.record(stream)
         self._finished.put((seq, done))
 
     def _release_when_finished(self) -> None:
+        torch.cuda.set_device(self.device)  # else this thread's first CUDA call binds GPU 0
         while (item := self._finished.get()) is not None:
             seq, done = item
             done.synchronize()

@@ -182,13 +182,14 @@ class Loader:
             self.transport = transport_name(header.transport)
             if header.transport == feed_pb2.TRANSPORT_SHM:
                 batches = ShmBatches(header, release, self._copy)
-                outbox.put(feed_pb2.ClientMessage(attached=feed_pb2.Attached()))
             elif header.transport == feed_pb2.TRANSPORT_CUDA_IPC:
                 from .cuda_ipc import CudaBatches
 
                 batches = CudaBatches(header, release, self._copy)
             else:
                 batches = InlineBatches()
+            if header.transport != feed_pb2.TRANSPORT_INLINE:  # mapped or opened: say so
+                outbox.put(feed_pb2.ClientMessage(attached=feed_pb2.Attached()))
             expected_end = part.consumed + header.num_batches  # 0 batches: a shared job
             try:
                 yield from self._batches(part, call, batches, release)

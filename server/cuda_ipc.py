@@ -23,8 +23,20 @@ What it needs, and what goes wrong otherwise:
   that nor the ``cudaMallocAsync`` backend can export its memory): the server
   refuses to start with ``--device cuda:N`` while PYTORCH_ALLOC_CONF (or the
   older PYTORCH_CUDA_ALLOC_CONF) asks for either, naming the setting.
+* the same user for both: torch's reference counter for the exported memory
+  is a 0600 file in /dev/shm. A trainer that cannot open it fails to open the
+  stream (FeedError naming cuda_ipc).
 * the server outlives the batches the trainer still holds: device memory is
   the server's; a trainer must not touch batches after the server has gone.
+
+Lifetime: exporting sets torch's counter for the ring to one; the trainer's
+opened storage owns that count and gives it back when it is freed (after its
+last batch is dropped). A ring the server frees before then waits in torch's
+"limbo" until the count is zero. A trainer that never opened the ring (it
+failed, or left first) never says ``attached``; the server then gives the
+count back itself, so the ring is freed. A trainer killed while holding the
+ring leaves its count behind: that ring stays allocated until the server
+restarts.
 """
 
 from __future__ import annotations
@@ -49,9 +61,11 @@ def check_device(name: str) -> torch.device:
         return device
     if device.type != "cuda":
         raise ValueError(f"--device {name!r}: only cpu and cuda:N are supported")
-    for variable, setting in _unshareable_allocator_settings():
-        raise ValueError(f"--device {name}: {variable} sets {setting}, whose memory cannot be "
-                         f"shared over CUDA IPC; unset it for the server")
+    unshareable = _unshareable_allocator_settings()
+    if unshareable:
+        settings = "; ".join(f"{variable} sets {setting}" for variable, setting in unshareable)
+        raise ValueError(f"--device {name}: {settings}, whose memory cannot be shared over "
+                         f"CUDA IPC; unset it for the server")
     if not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available to this server "
                          f"(torch.cuda.is_available() is False)")
@@ -87,6 +101,7 @@ class DeviceRing:
 
     def __init__(self, device: torch.device, plan, observe_copy: Callable[[float], None]):
         slots_bytes = plan.num_slots * plan.layout.slot_bytes
+        self._device = device
         self.slot_bytes = plan.layout.slot_bytes
         self._spans = _host_written_spans(plan.layout)
         # Timing events around each slot's copy; read when the slot is next published,
@@ -120,10 +135,13 @@ class DeviceRing:
         start = batch.slot * self.slot_bytes
         if self._timing[batch.slot] is not None:
             began, ended = self._timing[batch.slot]
-            self._observe_copy(began.elapsed_time(ended) / 1000)
+            if ended.query():  # elapsed_time raises otherwise (a client that released early)
+                self._observe_copy(began.elapsed_time(ended) / 1000)
         began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self._timing[batch.slot] = began, ended
-        with torch.cuda.stream(self._copies):
+        # The device first: leaving a stream context alone would make device 0 current
+        # on this gRPC thread, creating a context there when the ring is on cuda:N.
+        with torch.cuda.device(self._device), torch.cuda.stream(self._copies):
             slot = self.device[start:start + self.slot_bytes]
             began.record(self._copies)
             for begin, end in self._spans:
@@ -132,6 +150,15 @@ class DeviceRing:
             if plan.transform is not None:
                 plan.transform.finish_slot(plan.layout.views(slot), batch.rows)
             self._ready[batch.slot].record(self._copies)
+
+    def close(self, opened: bool) -> None:
+        """The stream has ended; ``opened``: the trainer said it opened the export."""
+        if not opened:  # nobody else will give back the count the export holds
+            torch.UntypedStorage._release_ipc_counter_cuda(self.export.ref_counter_handle,
+                                                           self.export.ref_counter_offset)
+        self.host = self.device = self._ready = self._timing = None
+        with torch.cuda.device(self._device):
+            torch.cuda.ipc_collect()  # free rings whose trainers have let go since
 
 
 def _host_written_spans(layout) -> list[tuple[int, int]]:

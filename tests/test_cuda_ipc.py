@@ -11,25 +11,30 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
 from gpufeed.client import FeedClient
-from gpufeed.client.batches import HeldSlots, slot_tensors, storage_in_use
+from gpufeed.client.batches import SharedSlots, slot_tensors
 from gpufeed.server.cuda_ipc import _host_written_spans
 from gpufeed.server.paths import DataRoots
 from gpufeed.server.process import ServerProcess
-from gpufeed.server.request import Limits, plan_stream
-from gpufeed.v1 import feed_pb2
+from gpufeed.server.request import Limits, StreamPlan, plan_stream
+from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 from support import MIN_PSNR_DB, psnr, reference_decode
 
 
 def _refusal(data_dir, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``gpufeed-server --device cuda:0`` with the allocator settings of ``env`` alone."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     return subprocess.run([sys.executable, "-m", "gpufeed.server", "--data-root", str(data_dir),
                            "--device", "cuda:0", "--listen", "127.0.0.1:0"],
-                          capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+                          capture_output=True, text=True, timeout=60, env={**clean, **env})
 
 
 def test_cpu_server_refuses_a_missing_gpu_clearly(data_dir):
@@ -52,7 +57,7 @@ def test_allocators_whose_memory_cannot_be_shared_are_refused(data_dir, variable
         result.stderr
 
 
-def _plan(data_dir, **output) -> object:
+def _plan(data_dir, **output) -> StreamPlan:
     request = feed_pb2.StreamRequest(
         files=feed_pb2.FileList(paths=["a.jpg"]), batch_size=4, labels=[3],
         output=feed_pb2.OutputSpec(height=8, width=8, **output))
@@ -76,32 +81,30 @@ def test_the_device_copy_skips_the_region_the_gpu_writes(data_dir):
     assert _host_written_spans(uint8.layout) == [(0, uint8.layout.slot_bytes)]
 
 
-def _meta(name: str, dtype: str, shape: tuple[int, ...], offset: int) -> feed_pb2.TensorMeta:
-    return feed_pb2.TensorMeta(name=name, dtype=dtype, shape=shape, offset=offset)
+def _batch(seq: int, num_slots: int) -> feed_pb2.Batch:
+    tensors = [feed_pb2.TensorMeta(name="image", dtype="uint8", shape=[2, 3], offset=0),
+               feed_pb2.TensorMeta(name="half", dtype="bfloat16", shape=[2], offset=64),
+               feed_pb2.TensorMeta(name="index", dtype="int64", shape=[2], offset=128)]
+    return feed_pb2.Batch(seq=seq, slot=seq % num_slots, tensors=tensors)
 
 
 def test_batch_views_of_a_shared_buffer_are_released_once_dropped(caplog):
-    """The client's cuda_ipc bookkeeping over a CPU buffer standing in for the opened
-    device allocation: tensors alias their slot, and a slot goes back only when no
+    """The client's cuda_ipc bookkeeping (SharedSlots) over a CPU storage standing in for
+    the opened device buffer: tensors alias their slot, and a slot goes back only when no
     tensor (or view of one) refers to it; holding every slot gives the oldest back."""
     slot_bytes, num_slots = 4096, 3
     ring = torch.zeros(slot_bytes * num_slots, dtype=torch.uint8).untyped_storage()
-    metas = [_meta("image", "uint8", (2, 3), 0), _meta("half", "bfloat16", (2,), 64),
-             _meta("index", "int64", (2,), 128)]
+    slots = SharedSlots(ring, num_slots, slot_bytes, copy=False, what="CUDA")
     released: list[int] = []
-    held = HeldSlots(num_slots, "CUDA")
 
     def fetch(seq: int) -> dict[str, torch.Tensor]:
-        held.make_room()
-        slot = ring[(seq % num_slots) * slot_bytes:(seq % num_slots + 1) * slot_bytes]
-        tensors = slot_tensors(slot, metas)
-        held.hold(lambda: storage_in_use(slot), lambda: released.append(seq))
-        return tensors
+        slots.make_room()
+        return slots.tensors(_batch(seq, num_slots), lambda: released.append(seq))
 
     first = fetch(0)
     first["index"].copy_(torch.tensor([7, 9]))
     first["half"].copy_(torch.tensor([1.5, -2.0]))
-    again = slot_tensors(ring[:slot_bytes], metas)  # the same bytes, through another view
+    again = slot_tensors(ring[:slot_bytes], _batch(0, num_slots).tensors)  # the same bytes
     assert again["index"].tolist() == [7, 9] and again["half"].tolist() == [1.5, -2.0]
     del again
     row, index = first["image"][1], first["index"]  # a view of a tensor; a tensor
@@ -120,7 +123,18 @@ def test_batch_views_of_a_shared_buffer_are_released_once_dropped(caplog):
     with caplog.at_level(logging.WARNING, logger="gpufeed.client.batches"):
         fetch(5)  # batches 1, 3 and 4 hold all three slots: the oldest goes back, warned
     assert released == [0, 2, 1] and "holds all 3 CUDA batches" in caplog.text
-    assert second and fourth and fifth and copied.shape == (2, 3)
+    del second, fourth, fifth, copied  # (held until here on purpose)
+
+
+def test_copied_batches_from_a_shared_buffer_go_back_at_once():
+    ring = torch.arange(8192, dtype=torch.int64).to(torch.uint8).untyped_storage()
+    slots = SharedSlots(ring, 2, 4096, copy=True, what="CUDA")
+    released: list[int] = []
+    batch = slots.tensors(_batch(1, 2), lambda: released.append(1))
+    assert released == [1]
+    assert batch["image"].flatten().tolist() == [0, 1, 2, 3, 4, 5]  # slot 1 starts at 4096
+    ring[4096] = 99
+    assert batch["image"][0, 0] == 0  # a copy, not a view
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +190,29 @@ def test_the_batch_pass_on_the_gpu_equals_the_cpu_path(gpu_server, image_names):
     for g, c in zip(gpu, cpu):
         assert g.shape == (16, 32, 40, 3) and g.dtype == torch.float16
         torch.testing.assert_close(g, c, rtol=0, atol=1e-2)  # float16 rounding of one op order
+
+
+@pytest.mark.cuda
+def test_rings_no_trainer_opened_are_freed(data_dir, image_names):
+    """Trainers that read the header and leave without opening their ring (a failed open
+    does the same) must not leave it allocated: more such streams, one at a time, than
+    the GPU could hold at once are all served. A leak shows as RESOURCE_EXHAUSTED."""
+    batch = 6000  # 0.9 GB of 224 x 224 pixels a slot, 2 slots a ring
+    rings = int(torch.cuda.mem_get_info()[1] // (2 * batch * 3 * 224 * 224)) + 2
+    request = feed_pb2.StreamRequest(
+        files=feed_pb2.FileList(paths=(image_names * 20)[:batch]), batch_size=batch, prefetch=1,
+        output=feed_pb2.OutputSpec(height=224, width=224), transport=feed_pb2.TRANSPORT_CUDA_IPC)
+    with ServerProcess(["--data-root", str(data_dir), "--device", "cuda:0",
+                        "--max-streams", "1"]) as server, \
+            grpc.insecure_channel(server.address) as channel:
+        stub = feed_pb2_grpc.FeedStub(channel)
+        for _ in range(rings):
+            while True:  # one stream at a time: the last one may still be closing
+                call = stub.Stream(iter([feed_pb2.ClientMessage(open=request)]))
+                try:
+                    assert next(call).WhichOneof("kind") == "header"
+                    break
+                except grpc.RpcError as e:
+                    assert "--max-streams" in e.details(), e.details()
+                    time.sleep(0.05)
+            call.cancel()
