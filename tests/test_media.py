@@ -89,17 +89,20 @@ def test_arrays_arrive_bit_for_bit(feed, data_dir):
     assert np.array_equal(batch["array"].numpy(), np.stack([s["feature"] for s in sources]))
 
 
-def test_arrays_of_either_byte_order_arrive_with_their_values(feed, data_dir):
+@pytest.mark.parametrize("first", ["big", "little"])
+def test_arrays_of_either_byte_order_arrive_with_their_values(feed, data_dir, first):
     """The wire names a dtype without a byte order: big-endian files (as some tools
-    write) must be converted, not sent as bytes the trainer reads little-endian."""
+    write) must be converted, whether or not the first file, which sets the batch's
+    layout, is one of them."""
     values = np.array([[0, 1, -2], [70000, 2**30, -(2**31)]])
-    for order in "<>":
-        np.save(data_dir / f"order{order == '>'}.npy", values.astype(f"{order}i4"))
-        np.save(data_dir / f"float{order == '>'}.npy", (values / 7).astype(f"{order}f8"))
-    for name, want in (("order", values), ("float", values / 7)):
-        batch = next(iter(feed.loader(files=[f"{name}False.npy", f"{name}True.npy"],
+    for order, mark in (("big", ">"), ("little", "<")):
+        np.save(data_dir / f"i4_{order}.npy", values.astype(f"{mark}i4"))
+        np.save(data_dir / f"f8_{order}.npy", (values / 7).astype(f"{mark}f8"))
+    second = "little" if first == "big" else "big"
+    for kind, want in (("i4", values), ("f8", values / 7)):
+        batch = next(iter(feed.loader(files=[f"{kind}_{first}.npy", f"{kind}_{second}.npy"],
                                       batch_size=2)))
-        assert batch["array"].tolist() == [want.tolist()] * 2, name
+        assert batch["array"].tolist() == [want.tolist()] * 2, kind
 
 
 def test_pickled_and_mismatched_arrays_fail_alone(feed, data_dir):
