@@ -30,8 +30,7 @@ from gpufeed.v1 import feed_pb2
 from .errors import FeedError
 from .shm import map_segment
 
-__all__ = ["HeldSlots", "InlineBatches", "SharedSlots", "ShmBatches", "slot_tensors",
-           "storage_in_use"]
+__all__ = ["HeldSlots", "InlineBatches", "SharedSlots", "ShmBatches", "slot_tensors"]
 
 _log = logging.getLogger(__name__)
 Release = Callable[[int], None]  # gives batch seq's slot back to the server
@@ -47,7 +46,7 @@ def slot_tensors(slot: torch.UntypedStorage, metas) -> dict[str, torch.Tensor]:
     return out
 
 
-def storage_in_use(storage: torch.UntypedStorage) -> bool:
+def _storage_in_use(storage: torch.UntypedStorage) -> bool:
     """Whether a tensor still refers to ``storage`` (views of it count; copies do not).
 
     Tensors of a CUDA buffer keep no Python object of their own alive that a
@@ -147,7 +146,7 @@ class SharedSlots:
             tensors = {name: t.clone() for name, t in tensors.items()}
             give_back()
         else:
-            self._held.hold(lambda: storage_in_use(slot), give_back)
+            self._held.hold(lambda: _storage_in_use(slot), give_back)
         return tensors
 
 
