@@ -5,19 +5,25 @@ per batch that holds the slot's bytes (``slot_tensors``). For inline the
 storage is a copy of the message's bytes, which the tensors own, so the slot
 is released as soon as the message is read.
 
-shm and cuda_ipc: the storage aliases the stream's shared slot, no copy. The
-slot is released when the trainer drops the batch (no tensor refers to it any
-more), or when it fetches a batch while holding as many batches as the stream
-has slots: the oldest is then released while still referenced, with a warning,
-rather than deadlocking (``HeldSlots``). ``copy=True`` gives owned tensors and
-releases at once.
+shm and cuda_ipc: the storage aliases the stream's shared slot, no copy, and
+the slot goes back when the trainer drops the batch (no tensor refers to it
+any more). A tensor the trainer still references never changes: when the
+trainer already holds all but one slot of the ring, a newly arrived batch is
+copied into memory the trainer owns (on the batch's device) and its slot goes
+back at once (``HeldSlots.has_room``). So a loop that drops its batches (even
+one that holds the previous batch while it fetches the next, as every ``for``
+loop does) gets views, and one that keeps batches (``list(loader)``, an eval
+loop collecting labels) gets copies once it holds ``prefetch`` of them; the
+batches it already holds keep their slots until dropped. Chosen over remapping
+the oldest held slot's pages to a private copy (``MAP_FIXED``) because it works
+the same for CUDA memory, where torch offers no way to swap the memory under a
+live tensor. ``copy=True`` gives owned tensors always.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import logging
 import weakref
 from collections.abc import Callable
 
@@ -32,7 +38,6 @@ from .shm import map_segment
 
 __all__ = ["HeldSlots", "InlineBatches", "SharedSlots", "ShmBatches", "slot_tensors"]
 
-_log = logging.getLogger(__name__)
 Release = Callable[[int], None]  # gives batch seq's slot back to the server
 
 
@@ -65,38 +70,34 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 class InlineBatches:
-    release_at_once = True  # the loader releases each slot as soon as it has the tensors
-
     def make_room(self) -> None:
         pass
 
     def close(self) -> None:
         pass
 
-    def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
+    def tensors(self, batch: feed_pb2.Batch) -> tuple[dict[str, torch.Tensor], bool]:
+        """The batch's tensors, and True: they are owned, the slot can go back now."""
         if not batch.data:  # every sample failed: empty tensors (frombuffer refuses b"")
-            return slot_tensors(torch.UntypedStorage(0), batch.tensors)
+            return slot_tensors(torch.UntypedStorage(0), batch.tensors), True
         owned = torch.frombuffer(bytearray(batch.data), dtype=torch.uint8)
-        return slot_tensors(owned.untyped_storage(), batch.tensors)
+        return slot_tensors(owned.untyped_storage(), batch.tensors), True
 
 
 class HeldSlots:
     """The zero-copy batches the trainer still holds, oldest first.
 
     Each is held with a test of whether the trainer still refers to it and a
-    function that gives its slot back (once). ``make_room`` runs before the
-    loader waits for a batch: it gives back the batches nobody refers to; if
-    held batches still take every slot, the server could never send another,
-    so the oldest is given back while still referenced (with a warning, once)
-    rather than deadlocking.
+    function that gives its slot back (once). ``make_room`` gives back the
+    batches nobody refers to any more. ``has_room`` says whether a new batch may
+    stay a view: not when the held ones take all slots but one, since then the
+    server could never send another batch while the trainer keeps them.
     """
 
-    def __init__(self, num_slots: int, what: str):
+    def __init__(self, num_slots: int):
         self._num_slots = num_slots
-        self._what = what
         self._held: collections.deque[tuple[Callable[[], bool], Callable[[], None]]] = \
             collections.deque()
-        self._warned = False
 
     def hold(self, in_use: Callable[[], bool], give_back: Callable[[], None]) -> None:
         self._held.append((in_use, give_back))
@@ -109,14 +110,10 @@ class HeldSlots:
             else:
                 give_back()
         self._held = still_held
-        if len(self._held) >= self._num_slots:
-            if not self._warned:
-                self._warned = True
-                _log.warning(
-                    "the trainer holds all %d %s batches of this stream; the oldest is being "
-                    "reused while still referenced. Drop batches sooner, raise prefetch, or "
-                    "pass copy=True to keep them.", self._num_slots, self._what)
-            self._held.popleft()[1]()
+
+    def has_room(self) -> bool:
+        self.make_room()
+        return len(self._held) < self._num_slots - 1
 
 
 class SharedSlots:
@@ -125,16 +122,17 @@ class SharedSlots:
 
     Each batch gets a storage of its own that aliases its slot, so that its use
     count tells when the trainer has dropped the batch; ``give_back`` is then
-    called at the next ``make_room``. With ``copy``, the tensors are clones and
-    the slot goes back at once.
+    called at the next ``make_room``. With ``copy``, or when the trainer holds
+    all slots but one, the tensors are clones and the slot goes back at once
+    (``give_back`` runs after the clone is queued on the device).
     """
 
     def __init__(self, storage: torch.UntypedStorage, num_slots: int, slot_bytes: int,
-                 copy: bool, what: str):
+                 copy: bool):
         self._storage = storage
         self._slot_bytes = slot_bytes
         self._copy = copy
-        self._held = HeldSlots(num_slots, what)
+        self._held = HeldSlots(num_slots)
         self.make_room = self._held.make_room
 
     def tensors(self, batch: feed_pb2.Batch,
@@ -142,8 +140,8 @@ class SharedSlots:
         start = batch.slot * self._slot_bytes
         slot = self._storage[start:start + self._slot_bytes]  # a storage of its own, aliased
         tensors = slot_tensors(slot, batch.tensors)
-        if self._copy:
-            tensors = {name: t.clone() for name, t in tensors.items()}
+        if self._copy or not self._held.has_room():
+            tensors = _owned(tensors)
             give_back()
         else:
             self._held.hold(lambda: _storage_in_use(slot), give_back)
@@ -161,22 +159,28 @@ class ShmBatches:
                             f"or 'inline'") from None
         self._slot_bytes = header.slot_bytes
         self._release = release
-        self._held = HeldSlots(header.num_slots, "shared-memory")
+        self._copy = copy
+        self._held = HeldSlots(header.num_slots)
         self.make_room = self._held.make_room
-        self.release_at_once = copy
 
     def close(self) -> None:
         pass
 
-    def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
+    def tensors(self, batch: feed_pb2.Batch) -> tuple[dict[str, torch.Tensor], bool]:
+        """The batch's tensors, and whether they are owned (the slot can go back now)."""
         # The storage keeps ``base`` alive while any tensor of the batch lives, so a
         # finaliser on ``base`` releases the slot as soon as the trainer drops the
         # batch, not only at the next fetch.
         base = np.frombuffer(self._memory, np.uint8, count=self._slot_bytes,
                              offset=batch.slot * self._slot_bytes)
         tensors = slot_tensors(torch.from_numpy(base).untyped_storage(), batch.tensors)
-        if self.release_at_once:
-            return {name: t.clone() for name, t in tensors.items()}
+        if self._copy or not self._held.has_room():
+            return _owned(tensors), True
         released = weakref.finalize(base, self._release, batch.seq)
         self._held.hold(lambda: released.alive, released)
-        return tensors
+        return tensors, False
+
+
+def _owned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of a batch's tensors that the trainer owns, on the same device."""
+    return {name: t.clone() for name, t in tensors.items()}

@@ -39,31 +39,40 @@ class Connection:
             self._channel = grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.stub = feed_pb2_grpc.FeedStub(self._channel)
-        self._connect_timeout = connect_timeout
+        self.connect_timeout = connect_timeout
+        # Whether the server has ever answered on this connection: until it has, the
+        # address may be wrong or the server down, and a loader fails at once rather
+        # than spending its reconnect timeout.
+        self.answered = False
         self._auto: int | None = None
 
     def close(self) -> None:
         self._channel.close()
 
-    def wait_ready(self, timeout: float) -> None:
-        """Until the channel is connected; FeedError UNAVAILABLE after ``timeout`` seconds."""
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Until the channel is connected; FeedError UNAVAILABLE after ``timeout`` seconds
+        (the connect timeout by default)."""
+        timeout = self.connect_timeout if timeout is None else timeout
         try:
             grpc.channel_ready_future(self._channel).result(timeout=max(timeout, 0.01))
         except grpc.FutureTimeoutError:
-            raise FeedError(grpc.StatusCode.UNAVAILABLE,
-                            f"gpufeed server at {self.address} did not answer") from None
+            raise self._no_answer(timeout) from None
 
     def info(self) -> feed_pb2.InfoResponse:
         try:
-            return self.stub.Info(feed_pb2.InfoRequest(), timeout=self._connect_timeout,
+            info = self.stub.Info(feed_pb2.InfoRequest(), timeout=self.connect_timeout,
                                   wait_for_ready=True, metadata=self.metadata)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise FeedError(grpc.StatusCode.UNAVAILABLE,
-                                f"no gpufeed server answered at {self.address} within "
-                                f"{self._connect_timeout:g} s; is gpufeed-server running "
-                                f"and listening there?") from None
+                raise self._no_answer(self.connect_timeout) from None
             raise FeedError.from_rpc(e, self.address) from None
+        self.answered = True
+        return info
+
+    def _no_answer(self, timeout: float) -> FeedError:
+        return FeedError(grpc.StatusCode.UNAVAILABLE,
+                         f"no gpufeed server answered at {self.address} within {timeout:g} s; "
+                         f"is gpufeed-server running and listening there?")
 
     def auto_transport(self) -> int:
         """cuda_ipc on the same host and GPU, else shm on the same /dev/shm, else inline.

@@ -67,20 +67,20 @@ class CudaBatches:
                             f"cuda_ipc: cannot open the server's GPU memory ({e}); trainer and "
                             f"server containers need `ipc: host`, a shared pid namespace and the "
                             f"same user, or use transport='shm'") from None
-        self._slots = SharedSlots(storage, header.num_slots, header.slot_bytes, copy, "CUDA")
+        self._slots = SharedSlots(storage, header.num_slots, header.slot_bytes, copy)
         self.make_room = self._slots.make_room
         self._release = release
         self._finished: queue.SimpleQueue = queue.SimpleQueue()  # put() is GC-safe
         threading.Thread(target=self._release_when_finished, daemon=True,
                          name="gpufeed-cuda-release").start()
-        # Releases wait for the trainer's kernels: the loader must not send them itself.
-        self.release_at_once = False
 
-    def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
+    def tensors(self, batch: feed_pb2.Batch) -> tuple[dict[str, torch.Tensor], bool]:
+        """The batch's tensors, and False: releases wait for the trainer's kernels (a
+        copy's too), so the loader must not send them itself."""
         stream = torch.cuda.current_stream(self.device)  # the batch is ready on this one
         stream.wait_event(self._ready[batch.slot])
         seq = batch.seq
-        return self._slots.tensors(batch, lambda: self._give_back(seq, stream))
+        return self._slots.tensors(batch, lambda: self._give_back(seq, stream)), False
 
     def close(self) -> None:
         self._finished.put(None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import os
 from collections.abc import Sequence
 
 import grpc
@@ -27,6 +29,24 @@ def _floats(values) -> list[float]:
     return [] if values is None else [float(v) for v in values]
 
 
+def _size(size: int | tuple[int, int] | None) -> tuple[int, int]:
+    """(height, width) from an int (a square), a pair, or None (arrays: no size)."""
+    if size is None:
+        return 0, 0
+    if isinstance(size, numbers.Integral):
+        return int(size), int(size)
+    if len(size) != 2:
+        raise ValueError(f"size must be an int or (height, width), got {size!r}")
+    return int(size[0]), int(size[1])
+
+
+def _prefix(prefix: str | os.PathLike) -> str:
+    """A str prefix as it is; a path prefix is a directory (its separator added)."""
+    if isinstance(prefix, str):
+        return prefix
+    return os.path.join(os.fspath(prefix), "")
+
+
 def _choice(name: str, value: str, choices: dict) -> int:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
@@ -40,10 +60,12 @@ class FeedClient:
     servers and reassigns a server's part to the others if it goes away (see
     loader.py). ``credentials`` (e.g. ``grpc.ssl_channel_credentials(ca_pem)``)
     makes the channels TLS; ``token`` is sent as ``authorization: Bearer
-    <token>`` on every call.
+    <token>`` on every call. A server that has not answered within
+    ``connect_timeout`` seconds of the first call to it is an error (UNAVAILABLE,
+    naming its address).
     """
 
-    def __init__(self, address: str | Sequence[str], *, connect_timeout: float = 10.0,
+    def __init__(self, address: str | Sequence[str], *, connect_timeout: float = 5.0,
                  credentials: grpc.ChannelCredentials | None = None, token: str | None = None):
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses:
@@ -66,9 +88,9 @@ class FeedClient:
         """The first server's Info."""
         return self.servers[0].info()
 
-    def loader(self, files: Sequence[str] | str, *, batch_size: int,
-               size: tuple[int, int] | None = None,
-               prefix: str = "", labels: Sequence[int] | str | None = None,
+    def loader(self, files: Sequence[str | os.PathLike] | str | os.PathLike, *,
+               batch_size: int, size: int | tuple[int, int] | None = None,
+               prefix: str | os.PathLike = "", labels: Sequence[int] | str | None = None,
                shuffle: bool = False, seed: int = 0, epoch: int = 0, rank: int = 0,
                world_size: int = 1, drop_last: bool = False, resize: str = "squash",
                shorter_side: int = 0, scale: tuple[float, float] = (0.08, 1.0),
@@ -79,11 +101,14 @@ class FeedClient:
                transport: str = "auto", prefetch: int = 0, copy: bool = False,
                failure_budget: int | float = 0, reconnect_timeout: float = 30.0,
                job: str = "") -> Loader:
-        """A loader over ``files``: a list of paths, or the path of a list file on the server.
+        """A loader over ``files``: a list of paths, or the path of a list file on the server
+        (``str`` or ``pathlib.Path`` alike). A ``Path`` prefix is a directory: its
+        files are ``prefix / name``; a ``str`` prefix is prepended as it is.
 
         ``labels``: one int per file, or "list_file" (the list file's lines are
         ``path<TAB>label``), or "folder" (each file's parent folder is its class;
-        ``loader.classes`` lists them, sorted). ``size`` is (height, width).
+        ``loader.classes`` lists them, sorted). ``size`` is (height, width), or
+        one int for a square.
         ``resize``: "squash" (to exactly ``size``), "center_crop" (evaluation:
         shorter side to ``shorter_side``, 0 meaning size * 8/7, then the centre)
         or "random_resized_crop" (training, with ``scale`` and ``ratio`` ranges as
@@ -97,20 +122,25 @@ class FeedClient:
         a tensor of that name ("array" for .npy). uint8 is 2-4x less
         to move than floats: over inline (remote) transports prefer it and
         normalise on the trainer's GPU. ``prefetch`` is how many batches the server
-        may decode ahead (0: the server's default). ``copy=True`` makes shm
-        batches owned tensors instead of views of shared memory.
+        may decode ahead (0: the server's default). ``copy=True`` makes shm and
+        cuda_ipc batches owned tensors always, instead of views of shared memory
+        while the trainer holds fewer than ``prefetch`` of them.
         ``failure_budget``: how many samples may fail before the pass ends with
         DATA_LOSS; an int is a count, a float in (0, 1) a fraction of the pass,
         0 the server's default (10 samples or 0.1%). ``reconnect_timeout``:
-        seconds to keep reconnecting after the server becomes unavailable (0: never).
+        seconds to keep reconnecting after a server that has answered becomes
+        unavailable (0: never); one that never answered fails at once.
         ``job``: share one pass with every loader naming the same job (one
         server only; see gpufeed/server/sources.py for what that keeps and loses).
+
+        The first stream is opened here: a refused request raises FeedError
+        now, and ``loader.classes`` and ``len(loader)`` are known.
         """
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
         if job and len(self.servers) > 1:
             raise ValueError("a shared job lives on one server; give FeedClient one address")
-        height, width = size or (0, 0)
+        height, width = _size(size)
         output = feed_pb2.OutputSpec(
             height=height, width=width, resize=_choice("resize", resize, _RESIZES),
             shorter_side=shorter_side, scale_min=scale[0], scale_max=scale[1],
@@ -120,7 +150,7 @@ class FeedClient:
         if isinstance(labels, str):
             label_source, labels = _choice("labels", labels, _LABEL_SOURCES), None
         request = feed_pb2.StreamRequest(
-            prefix=prefix, labels=[] if labels is None else [int(x) for x in labels],
+            prefix=_prefix(prefix), labels=[] if labels is None else [int(x) for x in labels],
             label_source=label_source,
             batch_size=batch_size, output=output,
             clip=feed_pb2.ClipSpec(frames=clip[0], stride=clip[1], random_start=random_clip)
@@ -134,8 +164,8 @@ class FeedClient:
         else:
             raise ValueError(f"failure_budget must be a count (int >= 0) or a fraction in (0, 1), "
                              f"got {failure_budget!r}")
-        if isinstance(files, str):
-            request.list_file = files
+        if isinstance(files, (str, os.PathLike)):
+            request.list_file = os.fspath(files)
         else:
-            request.files.paths.extend(files)
+            request.files.paths.extend(os.fspath(f) for f in files)
         return Loader(self.servers, request, copy=copy, reconnect_timeout=reconnect_timeout)

@@ -7,26 +7,37 @@ position in the request's file list) and ``label`` int64 [N] when labels were
 given. Samples that failed to read or decode are left out of the batch; they
 are logged once each and listed in ``loader.failures`` for the current pass.
 
+The loader opens its first stream when it is made, so that a refused request
+fails at ``loader(...)`` and the header's facts (``classes``, ``len``) are
+known before the first batch. A server that has never answered fails it
+within the connect timeout.
+
+Epochs: each new pass (a new ``iter(loader)``) is the next epoch unless
+``set_epoch`` or ``load_state_dict`` chose the pass (the first pass is the
+``epoch`` the loader was made with): frameworks that never call ``set_epoch``
+(Lightning, Accelerate with a loader that is not a DataLoader) still get a
+new order and new random crops every epoch.
+
 The loader knows its position (batches consumed in the current epoch). When a
 stream breaks with UNAVAILABLE (server restarted or draining, or it ended a
 stream the trainer left idle past its lease timeout), the loader reconnects
 with bounded backoff and reopens at that position, so the pass neither loses
 nor repeats a sample; it gives up after ``reconnect_timeout`` seconds without
-progress. ``state_dict()`` records the same position for a restarted trainer.
+progress. ``state_dict()`` records the same position, in samples of the pass,
+with a fingerprint of the request (fingerprint.py) for a restarted trainer.
 
-With several servers, the loader's shard is split statically by sample index:
-part p of P is the sub-shard rank + world_size * p of world_size * P, served by
-server p, and the parts' batches are interleaved in turn (p = 0, 1, ..., P-1,
-0, ...; the part that has yielded least goes next), so the order stays
-deterministic and resumable. When a server goes
-away, its part moves to the next server at its own position: nothing is lost or
-repeated. Interleaving in turn means the slowest server sets the pace.
+With several servers, the pass's batches are dealt out in turn: server p of P
+serves batches p, p + P, p + 2P, ... (the request's batch_stride and
+batch_offset), and the loader yields them in the pass's order. The order is
+therefore the same whatever the number of servers, and a position saved with
+one resumes with another. When a server goes away, its part moves to the next
+server at its own position: nothing is lost or repeated. Taking batches in
+turn means the slowest server sets the pace.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Iterator
 
@@ -35,9 +46,10 @@ import torch
 
 from gpufeed.v1 import feed_pb2
 
-from .batches import InlineBatches, ShmBatches
-from .errors import FeedError
 from .connection import Connection, transport_name
+from .errors import FeedError
+from .fingerprint import check_fingerprint, request_fingerprint
+from .stream import OpenStream
 
 __all__ = ["Loader"]
 
@@ -46,12 +58,21 @@ _MAX_BACKOFF = 2.0
 
 
 class _Part:
-    """One server's static share of the loader's shard, and how far it has got."""
+    """One server's share of the pass (every P-th batch), and how far it has got."""
 
     def __init__(self, index: int):
         self.index = index
         self.server = index  # the server serving it now; moves on when that one goes away
         self.consumed = 0  # batches of this part already yielded this epoch
+        self.total: int | None = None  # batches of this part in a pass (None: a shared job's)
+
+
+class _Outage:
+    """Reconnect bookkeeping of one part: since when, and how long to wait next."""
+
+    def __init__(self):
+        self.since: float | None = None
+        self.backoff, self.tried = 0.05, 0
 
 
 class Loader:
@@ -61,58 +82,90 @@ class Loader:
         self._request = request
         self._copy = copy
         self._reconnect_timeout = reconnect_timeout
+        self._fingerprint = request_fingerprint(request)
         self._parts = [_Part(i) for i in range(len(servers))]
-        # The last pass ran to its end: positions stay there (a checkpoint taken now
-        # resumes with nothing left of this epoch) until a new pass starts over.
-        self._completed = False
+        # The next pass's epoch and position were chosen (by the constructor,
+        # set_epoch or load_state_dict); else a new pass is the next epoch.
+        self._chosen = True
+        self._opened: dict[int, OpenStream] = {}  # opened ahead for the chosen pass, by part
+        self.batch_size = request.batch_size
         self.transport: str | None = None  # of the stream opened last: "inline", "shm", ...
         self.classes: list[str] = []  # with labels="folder": label i is classes[i]
         self.failures: list[tuple[int, str]] = []
+        try:
+            for part in self._parts:
+                self._opened[part.index] = self._open_retrying(part)
+        except BaseException:
+            self._close_opened()
+            raise
 
     @property
     def epoch(self) -> int:
         return self._request.epoch
 
+    def __len__(self) -> int:
+        """Batches in a pass of this rank (a shared job's depend on its consumers)."""
+        totals = [part.total for part in self._parts]
+        if None in totals:
+            raise TypeError("a shared job's loader has no length: its consumers share the batches")
+        return sum(totals)
+
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` (and its shuffle order) from the next pass on."""
-        if epoch != self._request.epoch:
-            self._request.epoch = epoch
-            self._start_over()
+        """Use ``epoch`` (and its shuffle order) for the next pass, from its start
+        (unless the next pass is already ``epoch``, resumed by ``load_state_dict``)."""
+        if not self._chosen or epoch != self._request.epoch:
+            self._begin(epoch)
 
     def state_dict(self) -> dict:
-        """{"epoch", "seed", "batches_consumed"}: an int, or one per server with several."""
-        consumed = [part.consumed for part in self._parts]
-        return {"epoch": self._request.epoch, "seed": self._request.seed,
-                "batches_consumed": consumed[0] if len(consumed) == 1 else consumed}
+        """{"epoch", "samples_consumed", "fingerprint"}: where the pass is, in samples of
+        its order (a finished pass is the next epoch's start), and what request it is of."""
+        consumed = sum(part.consumed for part in self._parts)
+        epoch = self._request.epoch
+        totals = [part.total for part in self._parts]
+        if None not in totals and consumed >= sum(totals):
+            epoch, consumed = epoch + 1, 0
+        return {"epoch": epoch, "samples_consumed": consumed * self.batch_size,
+                "fingerprint": dict(self._fingerprint)}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["seed"] != self._request.seed:
-            raise ValueError(f"state was saved with seed {state['seed']}, "
-                             f"this loader uses seed {self._request.seed}")
-        consumed = state["batches_consumed"]
-        consumed = [consumed] if isinstance(consumed, int) else list(consumed)
-        if len(consumed) != len(self._parts):
-            raise ValueError(f"state has positions for {len(consumed)} servers, this loader "
-                             f"has {len(self._parts)}")
-        self._request.epoch = state["epoch"]
-        for part, n in zip(self._parts, consumed):
-            part.consumed = n
-        self._completed = False
+        """Make the next pass resume where ``state`` was saved; ValueError naming the
+        field if it was saved for another request."""
+        if "fingerprint" not in state:
+            raise ValueError("load_state_dict: the state has no fingerprint (saved by an older "
+                             "gpufeed); it cannot be checked against this loader's request")
+        check_fingerprint(state["fingerprint"], self._fingerprint)
+        samples = int(state["samples_consumed"])
+        if samples < 0 or samples % self.batch_size:
+            raise ValueError(f"load_state_dict: samples_consumed must be a multiple of batch_size "
+                             f"{self.batch_size}, got {samples}")
+        self._begin(int(state["epoch"]))
+        batches, servers = samples // self.batch_size, len(self._parts)
+        for part in self._parts:  # batch k of the pass is part k % servers's
+            part.consumed = max(0, (batches - part.index + servers - 1) // servers)
 
-    def _start_over(self) -> None:
+    def _begin(self, epoch: int) -> None:
+        """Make the next pass ``epoch`` from its start."""
+        self._close_opened()
+        self._request.epoch = epoch
         for part in self._parts:
             part.consumed = 0
-        self._completed = False
+        self._chosen = True
+
+    def _close_opened(self) -> None:
+        for stream in self._opened.values():
+            stream.close()
+        self._opened.clear()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self._completed:  # iterating again without set_epoch: the same epoch again
-            self._start_over()
+        if not self._chosen:  # a new pass nobody chose: the next epoch
+            self._begin(self._request.epoch + 1)
+        self._chosen = False
         self.failures = []
         streams = {part.index: self._part_batches(part) for part in self._parts}
         try:
             while streams:
                 # In turn: the part that has yielded least goes next (ties: lowest index),
-                # which also continues a resumed pass exactly where it stopped.
+                # which is the pass's order, also when a resumed pass continues.
                 part = min((self._parts[i] for i in streams), key=lambda p: (p.consumed, p.index))
                 batch = next(streams[part.index], None)
                 if batch is None:
@@ -122,104 +175,83 @@ class Loader:
         finally:
             for batches in streams.values():
                 batches.close()
-        self._completed = True
 
     def _part_batches(self, part: _Part) -> Iterator[dict[str, torch.Tensor]]:
         """The part's batches to the end of the epoch, across reconnects and failovers."""
-        outage_since = None
-        backoff, tried = 0.05, 0
+        outage = _Outage()
         while True:
-            server = self._servers[part.server]
+            stream = self._opened.pop(part.index, None)
             try:
-                if outage_since is not None:  # a server that accepts TCP but never answers
-                    server.wait_ready(outage_since + self._reconnect_timeout - time.monotonic())
-                for batch in self._pass(part, server):
-                    outage_since, backoff, tried = None, 0.05, 0
-                    yield batch
+                stream = stream or self._open(part, outage)
+                for seq, failures, tensors in stream.batches():
+                    self._note_failures(failures)
+                    part.consumed = seq + 1
+                    outage = _Outage()
+                    yield tensors
+                if part.total is not None and part.consumed < part.total:
+                    raise FeedError(grpc.StatusCode.UNAVAILABLE,
+                                    f"the stream ended at batch {part.consumed} of {part.total}")
                 return
             except (grpc.RpcError, FeedError) as e:
-                code, details = _status(e)
-                if code != grpc.StatusCode.UNAVAILABLE or self._reconnect_timeout <= 0:
-                    raise e if isinstance(e, FeedError) else FeedError.from_rpc(
-                        e, server.address) from None
-                now = time.monotonic()
-                outage_since = outage_since or now
-                if now - outage_since >= self._reconnect_timeout:
-                    raise FeedError(grpc.StatusCode.UNAVAILABLE,
-                                    f"gave up after {self._reconnect_timeout:g} s without a batch "
-                                    f"from {server.address}: {details}") from None
-                part.server = (part.server + 1) % len(self._servers)
-                _log.warning("stream from %s interrupted (%s); resuming at batch %d on %s",
-                             server.address, details, part.consumed,
-                             self._servers[part.server].address)
-                tried += 1
-                if tried >= len(self._servers):  # every server tried: wait before the next round
-                    time.sleep(backoff)
-                    backoff, tried = min(2 * backoff, _MAX_BACKOFF), 0
+                self._recover(part, e, outage)
+            finally:
+                if stream is not None:
+                    stream.close()
 
-    def _pass(self, part: _Part, server: Connection) -> Iterator[dict[str, torch.Tensor]]:
-        """One Stream call for ``part`` from its position to the end of the epoch."""
+    def _open_retrying(self, part: _Part) -> OpenStream:
+        outage = _Outage()
+        while True:
+            try:
+                return self._open(part, outage)
+            except (grpc.RpcError, FeedError) as e:
+                self._recover(part, e, outage)
+
+    def _open(self, part: _Part, outage: _Outage) -> OpenStream:
+        """A stream of ``part`` from its position, on its server; the header's facts noted."""
+        server = self._servers[part.server]
+        if not server.answered:  # a wrong address or a server that is down: fail fast
+            server.wait_ready()
+        elif outage.since is not None:  # a server that accepts TCP but never answers
+            server.wait_ready(outage.since + self._reconnect_timeout - time.monotonic())
         request = feed_pb2.StreamRequest()
         request.CopyFrom(self._request)
         if len(self._parts) > 1:
-            world_size = request.world_size or 1
-            request.rank += world_size * part.index
-            request.world_size = world_size * len(self._parts)
+            request.batch_stride, request.batch_offset = len(self._parts), part.index
         request.start_batch = part.consumed
         if request.transport == feed_pb2.TRANSPORT_AUTO:
             request.transport = server.auto_transport()
-        outbox: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from GC callbacks
-        outbox.put(feed_pb2.ClientMessage(open=request))
+        stream = OpenStream(server, request, self._copy)
+        header = stream.header
+        self.classes = list(header.classes)
+        self.transport = transport_name(header.transport)
+        part.total = None if request.job else part.consumed + header.num_batches
+        return stream
 
-        def release(seq: int, waited: float = 0.0) -> None:
-            outbox.put(feed_pb2.ClientMessage(
-                release=feed_pb2.Release(seqs=[seq] if seq >= 0 else [], wait_seconds=waited)))
+    def _recover(self, part: _Part, error: grpc.RpcError | FeedError, outage: _Outage) -> None:
+        """Move ``part`` to the next server after an outage, waiting between rounds;
+        raise ``error`` as a FeedError if it is not an outage, or has lasted too long."""
+        server = self._servers[part.server]
+        code, details = _status(error)
+        if code != grpc.StatusCode.UNAVAILABLE or self._reconnect_timeout <= 0 \
+                or not server.answered:
+            raise error if isinstance(error, FeedError) else FeedError.from_rpc(
+                error, server.address) from None
+        now = time.monotonic()
+        outage.since = outage.since or now
+        if now - outage.since >= self._reconnect_timeout:
+            raise FeedError(grpc.StatusCode.UNAVAILABLE,
+                            f"gave up after {self._reconnect_timeout:g} s without a batch "
+                            f"from {server.address}: {details}") from None
+        part.server = (part.server + 1) % len(self._servers)
+        _log.warning("stream from %s interrupted (%s); resuming at batch %d on %s",
+                     server.address, details, part.consumed, self._servers[part.server].address)
+        outage.tried += 1
+        if outage.tried >= len(self._servers):  # every server tried: wait before the next round
+            time.sleep(outage.backoff)
+            outage.backoff, outage.tried = min(2 * outage.backoff, _MAX_BACKOFF), 0
 
-        call = server.stub.Stream(iter(outbox.get, None), metadata=server.metadata)
-        try:
-            header = next(call).header
-            self.classes = list(header.classes)
-            self.transport = transport_name(header.transport)
-            if header.transport == feed_pb2.TRANSPORT_SHM:
-                batches = ShmBatches(header, release, self._copy)
-            elif header.transport == feed_pb2.TRANSPORT_CUDA_IPC:
-                from .cuda_ipc import CudaBatches
-
-                batches = CudaBatches(header, release, self._copy)
-            else:
-                batches = InlineBatches()
-            if header.transport != feed_pb2.TRANSPORT_INLINE:  # mapped or opened: say so
-                outbox.put(feed_pb2.ClientMessage(attached=feed_pb2.Attached()))
-            expected_end = part.consumed + header.num_batches  # 0 batches: a shared job
-            try:
-                yield from self._batches(part, call, batches, release)
-            finally:
-                batches.close()
-            if header.num_batches and part.consumed < expected_end:
-                raise FeedError(grpc.StatusCode.UNAVAILABLE,
-                                f"the stream ended at batch {part.consumed} of {expected_end}")
-        finally:
-            call.cancel()
-            outbox.put(None)
-
-    def _batches(self, part: _Part, call, batches, release) -> Iterator[dict[str, torch.Tensor]]:
-        """Batches of one open stream, each releasing its slot (now, or when dropped)."""
-        while True:
-            batches.make_room()
-            waiting = time.perf_counter()
-            message = next(call, None)
-            waited = time.perf_counter() - waiting
-            if message is None:
-                return
-            self._note_failures(message.batch)
-            tensors = batches.tensors(message.batch)
-            # Owned tensors give the slot back now; views give it back when dropped.
-            release(message.batch.seq if batches.release_at_once else -1, waited)
-            part.consumed = message.batch.seq + 1
-            yield tensors
-
-    def _note_failures(self, batch: feed_pb2.Batch) -> None:
-        for failure in batch.failures:
+    def _note_failures(self, failures) -> None:
+        for failure in failures:
             self.failures.append((failure.index, failure.reason))
             _log.warning("sample %d skipped: %s", failure.index, failure.reason)
 

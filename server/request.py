@@ -136,7 +136,7 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
 
     order = shard_order(len(names), rank=req.rank, world_size=world_size,
                         shuffle=req.shuffle, seed=req.seed, epoch=req.epoch)
-    batches = split_batches(order, req.batch_size, req.drop_last)
+    batches = _served_batches(req, split_batches(order, req.batch_size, req.drop_last))
     if not 0 <= req.start_batch <= len(batches):
         raise _invalid(f"start_batch must be in 0..{len(batches)} (batches in this stream), "
                        f"got {req.start_batch}")
@@ -144,8 +144,22 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                       batches=batches,
                       start_batch=req.start_batch, layout=layout, transform=transform,
                       transport=transport,
-                      prefetch=prefetch, max_failures=_failure_budget(req, len(order), limits),
+                      prefetch=prefetch,
+                      max_failures=_failure_budget(req, sum(len(b) for b in batches), limits),
                       lease_timeout=limits.lease_timeout)
+
+
+def _served_batches(req: feed_pb2.StreamRequest, batches: list[np.ndarray]
+                    ) -> list[np.ndarray]:
+    """The pass's batches this stream serves: every ``batch_stride``-th from ``batch_offset``."""
+    stride = req.batch_stride or 1
+    if stride < 0:
+        raise _invalid(f"batch_stride must be >= 0, got {req.batch_stride}")
+    if not 0 <= req.batch_offset < stride:
+        raise _invalid(f"batch_offset must be in [0, batch_stride={stride}), got {req.batch_offset}")
+    if stride > 1 and req.job:
+        raise _invalid("batch_stride: a shared job serves the whole pass; give one or the other")
+    return batches[req.batch_offset::stride]
 
 
 def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limits) -> int:

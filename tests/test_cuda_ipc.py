@@ -7,7 +7,6 @@ and the client's per-batch views of a shared buffer and their release.
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -88,13 +87,13 @@ def _batch(seq: int, num_slots: int) -> feed_pb2.Batch:
     return feed_pb2.Batch(seq=seq, slot=seq % num_slots, tensors=tensors)
 
 
-def test_batch_views_of_a_shared_buffer_are_released_once_dropped(caplog):
+def test_batch_views_of_a_shared_buffer_are_released_once_dropped():
     """The client's cuda_ipc bookkeeping (SharedSlots) over a CPU storage standing in for
     the opened device buffer: tensors alias their slot, and a slot goes back only when no
-    tensor (or view of one) refers to it; holding every slot gives the oldest back."""
+    tensor (or view of one) refers to it."""
     slot_bytes, num_slots = 4096, 3
     ring = torch.zeros(slot_bytes * num_slots, dtype=torch.uint8).untyped_storage()
-    slots = SharedSlots(ring, num_slots, slot_bytes, copy=False, what="CUDA")
+    slots = SharedSlots(ring, num_slots, slot_bytes, copy=False)
     released: list[int] = []
 
     def fetch(seq: int) -> dict[str, torch.Tensor]:
@@ -111,24 +110,44 @@ def test_batch_views_of_a_shared_buffer_are_released_once_dropped(caplog):
     del first
     second = fetch(1)
     assert released == []
-    del row
+    del row, second
     third = fetch(2)
-    assert released == []  # batch 0 is still held, by `index` alone
+    assert released == [1]  # batch 0 is still held, by `index` alone
     del index
     copied = third["image"].clone()  # a copy does not hold its batch
     del third
-    fourth = fetch(3)
-    assert released == [0, 2]  # batch 1 is still held
-    fifth = fetch(4)
-    with caplog.at_level(logging.WARNING, logger="gpufeed.client.batches"):
-        fetch(5)  # batches 1, 3 and 4 hold all three slots: the oldest goes back, warned
-    assert released == [0, 2, 1] and "holds all 3 CUDA batches" in caplog.text
-    del second, fourth, fifth, copied  # (held until here on purpose)
+    fetch(3)
+    assert released == [1, 0, 2]
+    del copied
+
+
+def test_a_trainer_holding_all_slots_but_one_gets_copies():
+    """Batches kept beyond the ring are copied on arrival and their slot goes back at
+    once; those kept earlier stay views, and nothing the trainer holds ever changes."""
+    slot_bytes, num_slots = 4096, 3
+    ring = torch.zeros(slot_bytes * num_slots, dtype=torch.uint8).untyped_storage()
+    slots = SharedSlots(ring, num_slots, slot_bytes, copy=False)
+    released: list[int] = []
+    kept = []
+    for seq in range(6):
+        slots.make_room()
+        batch = _batch(seq, num_slots)
+        batch.slot = min(seq, 2)  # batches 0 and 1 stay held: the server has slot 2 left
+        start = batch.slot * slot_bytes
+        slot_tensors(ring[start:start + slot_bytes], batch.tensors)["index"].fill_(seq)
+        kept.append(slots.tensors(batch, lambda s=seq: released.append(s)))
+        assert released == list(range(2, seq + 1))  # from batch 2 on: copies, given back
+    ring[2 * slot_bytes:] = 0  # the server reuses the slot it has back
+    assert [b["index"].tolist() for b in kept] == [[seq, seq] for seq in range(6)]
+    assert kept[0]["index"].untyped_storage().data_ptr() == ring.data_ptr()  # still a view
+    del kept[:2]
+    slots.make_room()
+    assert released == [2, 3, 4, 5, 0, 1]
 
 
 def test_copied_batches_from_a_shared_buffer_go_back_at_once():
     ring = torch.arange(8192, dtype=torch.int64).to(torch.uint8).untyped_storage()
-    slots = SharedSlots(ring, 2, 4096, copy=True, what="CUDA")
+    slots = SharedSlots(ring, 2, 4096, copy=True)
     released: list[int] = []
     batch = slots.tensors(_batch(1, 2), lambda: released.append(1))
     assert released == [1]
@@ -216,3 +235,21 @@ def test_rings_no_trainer_opened_are_freed(data_dir, image_names):
                     assert "--max-streams" in e.details(), e.details()
                     time.sleep(0.05)
             call.cancel()
+
+
+@pytest.mark.cuda
+def test_kept_cuda_batches_equal_copies(gpu_server, image_names):
+    """list(loader) and a label-collecting loop over cuda_ipc give what copy=True gives:
+    batches kept beyond the ring are cloned on the device, never reused under the trainer."""
+    options = dict(files=image_names[:120], labels=[(i * 7) % 10 for i in range(120)],
+                   batch_size=8, size=(16, 16), shuffle=True, seed=2, transport="cuda_ipc",
+                   prefetch=2)
+    with FeedClient(gpu_server.address) as feed:
+        expected = [{k: v.cpu() for k, v in b.items()} for b in feed.loader(copy=True, **options)]
+        kept = list(feed.loader(**options))
+        labels = torch.cat([b["label"] for b in feed.loader(**options)]).cpu()
+        got = [{k: v.cpu() for k, v in b.items()} for b in kept]
+    assert len(got) == len(expected) == 15
+    for g, e in zip(got, expected):
+        assert all(torch.equal(g[name], e[name]) for name in e)
+    assert torch.equal(labels, torch.cat([b["label"] for b in expected]))

@@ -59,14 +59,29 @@ def test_shuffle_is_a_function_of_seed_and_epoch(feed, image_names):
     assert order(0, seed=6) != first
 
 
-def test_set_epoch_changes_the_next_pass(feed, image_names):
-    loader = feed.loader(files=image_names[:40], batch_size=8, size=(16, 16), shuffle=True)
-    epoch0 = [i for b in loader for i in b["index"].tolist()]
-    again = [i for b in loader for i in b["index"].tolist()]
-    loader.set_epoch(1)
-    epoch1 = [i for b in loader for i in b["index"].tolist()]
-    assert again == epoch0
+def test_each_new_pass_is_the_next_epoch_unless_set_epoch_chose_one(feed, image_names):
+    """A loop that never calls set_epoch (Lightning, Accelerate) gets a new order each pass."""
+    def order(loader) -> list[int]:
+        return [i for b in loader for i in b["index"].tolist()]
+
+    options = dict(files=image_names[:40], batch_size=8, size=(16, 16), shuffle=True)
+    loader = feed.loader(**options)
+    epoch0 = order(loader)
+    assert loader.epoch == 0
+    epoch1 = order(loader)  # no set_epoch: the next epoch
+    assert loader.epoch == 1
     assert epoch1 != epoch0 and sorted(epoch1) == sorted(epoch0)
+    assert epoch1 == order(feed.loader(epoch=1, **options))
+    loader.set_epoch(0)  # chosen: that epoch, from its start
+    assert order(loader) == epoch0
+    loader.set_epoch(5)
+    loader.set_epoch(5)  # the same choice twice is one pass of epoch 5
+    assert order(loader) == order(feed.loader(epoch=5, **options))
+    for k, _ in enumerate(loader):  # a pass left early...
+        if k == 1:
+            break
+    assert loader.epoch == 6
+    assert order(loader) == order(feed.loader(epoch=7, **options))  # ...is a pass too
 
 
 def test_world_size_splits_into_disjoint_shards(feed, image_names):
@@ -127,12 +142,27 @@ def test_held_shm_batches_stay_intact(feed, data_dir, image_names):
             assert psnr(batch["image"][row].numpy(), ref) >= MIN_PSNR_DB
 
 
-def test_holding_every_batch_warns_instead_of_deadlocking(feed, image_names, caplog):
-    loader = feed.loader(files=image_names[:80], batch_size=8, size=(16, 16), transport="shm",
-                         prefetch=2)
-    held = list(loader)
-    assert sorted(i for b in held[-3:] for i in b["index"].tolist()) == list(range(56, 80))
-    assert "holds all 3 shared-memory batches" in caplog.text
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_kept_batches_equal_copies(feed, image_names, transport):
+    """A trainer that keeps its batches (list(loader), an eval loop collecting labels)
+    gets what copy=True gives: a tensor it still references never changes. With
+    prefetch=2 the ring has 3 slots for 15 batches."""
+    options = dict(files=image_names[:120], labels=[(i * 7) % 10 for i in range(120)],
+                   batch_size=8, size=(16, 16), shuffle=True, seed=2, transport=transport,
+                   prefetch=2)
+    expected = list(feed.loader(copy=True, **options))
+    kept = list(feed.loader(**options))
+    assert len(kept) == len(expected) == 15
+    for got, want in zip(kept, expected):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+    labels, index = [], []
+    for batch in feed.loader(**options):  # an eval loop: keeps a view of each batch
+        labels.append(batch["label"])
+        index.append(batch["index"])
+    assert torch.equal(torch.cat(labels), torch.cat([b["label"] for b in expected]))
+    assert sorted(torch.cat(index).tolist()) == list(range(120))
 
 
 def test_copy_gives_owned_tensors(feed, data_dir, image_names):
@@ -169,7 +199,7 @@ def test_resume_from_state_dict(feed, image_names):
         if k == 2:
             break
     state = partial.state_dict()
-    assert state == {"epoch": 2, "seed": 3, "batches_consumed": 3}
+    assert state["epoch"] == 2 and state["samples_consumed"] == 24
     resumed = feed.loader(files=image_names[:60], batch_size=8, size=(16, 16), shuffle=True, seed=3)
     resumed.load_state_dict(state)
     assert [b["index"].tolist() for b in resumed] == full[3:]
@@ -183,16 +213,14 @@ def test_short_shm_streams_are_mapped_before_the_server_lets_go(feed, image_name
         assert [i for b in loader for i in b["index"].tolist()] == [0, 1, 2]
 
 
-def test_a_state_saved_at_the_end_of_an_epoch_resumes_with_nothing_left(feed, image_names):
+def test_a_state_saved_at_the_end_of_an_epoch_resumes_at_the_next(feed, image_names):
     files = image_names[:24]
     loader = feed.loader(files=files, batch_size=8, size=(8, 8), shuffle=True, seed=1)
     assert len([b for b in loader]) == 3
     state = loader.state_dict()
-    assert state["batches_consumed"] == 3
-    again = [i for b in loader for i in b["index"].tolist()]  # no set_epoch: the same epoch
-    assert sorted(again) == list(range(24))
+    assert state["epoch"] == 1 and state["samples_consumed"] == 0
+    epoch1 = [i for b in loader for i in b["index"].tolist()]  # what this loader does next
     restored = feed.loader(files=files, batch_size=8, size=(8, 8), shuffle=True, seed=1)
     restored.load_state_dict(state)
-    assert list(restored) == []  # the checkpointed epoch was complete
-    restored.set_epoch(1)
-    assert sorted(i for b in restored for i in b["index"].tolist()) == list(range(24))
+    assert restored.epoch == 1
+    assert [i for b in restored for i in b["index"].tolist()] == epoch1

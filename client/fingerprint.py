@@ -1,0 +1,63 @@
+"""What decides a pass's order and content, so that a saved position proves its request.
+
+A loader's ``state_dict()`` carries the fingerprint of its request, and
+``load_state_dict`` refuses a state whose fingerprint differs, naming the
+field: a position means nothing for another list, batch size or seed. Fields
+that only say how batches are delivered (transport, prefetch, failure budget,
+how a pass is split over servers, the position itself) are left out, so a
+state resumes on another transport or with another number of servers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from gpufeed.v1 import feed_pb2
+
+__all__ = ["check_fingerprint", "request_fingerprint"]
+
+# Shown as they are, so that a mismatch reads as values.
+_VALUES = ("batch_size", "shuffle", "seed", "rank", "world_size", "drop_last")
+# Compared by digest, grouped under one name each.
+_GROUPS = {"files": ("files", "list_file", "prefix"), "labels": ("labels", "label_source"),
+           "transforms": ("output", "clip")}
+# Position and delivery: not part of what a pass holds.
+_DELIVERY = {"epoch", "start_batch", "transport", "prefetch", "max_failures",
+             "max_failure_fraction", "job", "batch_stride", "batch_offset"}
+
+
+def request_fingerprint(request: feed_pb2.StreamRequest) -> dict[str, int | bool | str]:
+    """Each field that decides order or content: a value, or a digest of a group of fields.
+
+    A request field not named here (added to the proto later) is its own entry,
+    so it is never left out by mistake.
+    """
+    fingerprint: dict[str, int | bool | str] = {name: getattr(request, name) for name in _VALUES}
+    fingerprint["world_size"] = request.world_size or 1
+    grouped = {field for fields in _GROUPS.values() for field in fields}
+    groups = {name: list(fields) for name, fields in _GROUPS.items()}
+    for field in feed_pb2.StreamRequest.DESCRIPTOR.fields:
+        if field.name not in grouped and field.name not in _DELIVERY and \
+                field.name not in _VALUES:
+            groups[field.name] = [field.name]
+    for name, fields in groups.items():
+        part = feed_pb2.StreamRequest()
+        part.CopyFrom(request)
+        for field in feed_pb2.StreamRequest.DESCRIPTOR.fields:
+            if field.name not in fields:
+                part.ClearField(field.name)
+        digest = hashlib.sha256(part.SerializeToString(deterministic=True)).hexdigest()
+        fingerprint[name] = digest[:16]
+    return fingerprint
+
+
+def check_fingerprint(saved: dict, ours: dict[str, int | bool | str]) -> None:
+    """ValueError naming the first field where a saved state's request differs from ours."""
+    for name, value in ours.items():
+        if saved.get(name) != value:
+            if name in _VALUES:
+                detail = f"it was saved with {name}={saved.get(name)!r}, this loader has {value!r}"
+            else:
+                detail = f"it was saved with other {name} than this loader's"
+            raise ValueError(f"load_state_dict: the state belongs to another request: {name} "
+                             f"differs ({detail})")
