@@ -49,10 +49,8 @@ class Connection:
     def close(self) -> None:
         self._channel.close()
 
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Until the channel is connected; FeedError UNAVAILABLE after ``timeout`` seconds
-        (the connect timeout by default)."""
-        timeout = self.connect_timeout if timeout is None else timeout
+    def wait_ready(self, timeout: float) -> None:
+        """Until the channel is connected; FeedError UNAVAILABLE after ``timeout`` seconds."""
         try:
             grpc.channel_ready_future(self._channel).result(timeout=max(timeout, 0.01))
         except grpc.FutureTimeoutError:

@@ -210,7 +210,7 @@ class Loader:
         """A stream of ``part`` from its position, on its server; the header's facts noted."""
         server = self._servers[part.server]
         if not server.answered:  # a wrong address or a server that is down: fail fast
-            server.wait_ready()
+            server.info()
         elif outage.since is not None:  # a server that accepts TCP but never answers
             server.wait_ready(outage.since + self._reconnect_timeout - time.monotonic())
         request = feed_pb2.StreamRequest()

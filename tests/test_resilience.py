@@ -232,7 +232,7 @@ _RESUMING_TRAINER = textwrap.dedent("""
     from gpufeed.client import FeedClient
     address, state, files = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
     loader = FeedClient(address).loader(files=files, batch_size=8, size=(16, 16), shuffle=True,
-                                        seed=state["seed"])
+                                        seed=state["fingerprint"]["seed"])
     loader.load_state_dict(state)
     print(json.dumps([i for b in loader for i in b["index"].tolist()]))
 """)

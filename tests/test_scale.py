@@ -32,9 +32,13 @@ def test_an_epoch_spread_over_two_servers(two_servers, image_names):
         loader = feed.loader(files=files, batch_size=8, size=(16, 16), shuffle=True, seed=4,
                              rank=1, world_size=2)
         first = _indices(loader)
+        loader.set_epoch(0)
         again = _indices(loader)
+        alone = _indices(FeedClient(two_servers[0].address).loader(
+            files=files, batch_size=8, size=(16, 16), shuffle=True, seed=4, rank=1, world_size=2))
     assert sorted(first) == list(range(1, 100, 2))  # rank 1's shard, every sample once
     assert again == first  # a static split: deterministic
+    assert alone == first  # and the order one server gives
 
 
 def test_a_server_killed_mid_epoch_has_its_part_reassigned(two_servers, image_names):
@@ -64,10 +68,35 @@ def test_resume_across_two_servers(two_servers, image_names):
             if k == 4:
                 break
         state = partial.state_dict()
-        assert state["batches_consumed"] == [3, 2]
+        assert state["samples_consumed"] == 20
         resumed = feed.loader(files=files, batch_size=4, size=(8, 8), shuffle=True, seed=2)
         resumed.load_state_dict(state)
         assert taken + _indices(resumed) == full
+
+
+@pytest.mark.parametrize("saved_on, resumed_on", [(1, 2), (2, 1)])
+def test_a_position_resumes_with_another_number_of_servers(two_servers, image_names,
+                                                           saved_on, resumed_on):
+    """The pass's order does not depend on the number of servers, and the position is
+    counted in samples of it: save with one server, resume with two (and back)."""
+    options = dict(files=image_names[:100], batch_size=8, size=(8, 8), shuffle=True, seed=6,
+                   epoch=3)
+    addresses = [s.address for s in two_servers]
+    with FeedClient(addresses[:saved_on]) as feed:
+        full = _indices(feed.loader(**options))
+        partial = feed.loader(**options)
+        taken = []
+        for k, batch in enumerate(partial):
+            taken += batch["index"].tolist()
+            if k == 4:
+                break
+        state = partial.state_dict()
+    with FeedClient(addresses[:resumed_on]) as feed:
+        assert _indices(feed.loader(**options)) == full  # one order, whatever the servers
+        resumed = feed.loader(**options)
+        resumed.load_state_dict(state)
+        assert taken + _indices(resumed) == full
+    assert sorted(full) == list(range(100))
 
 
 def _consume(feed, files, job, received, delay=0.0):
