@@ -6,7 +6,10 @@ set of views of its slot, and is known to be dropped when no tensor uses its
 slot's storage any more (``SharedSlots`` in batches.py, device-agnostic and
 tested on the CPU). Before they are returned, the trainer's current stream
 waits on the slot's ready event, so kernels queued afterwards see the finished
-batch without a host synchronisation.
+batch without a host synchronisation. A batch that arrives while the trainer
+holds all slots but one (or with ``copy=True``) is cloned on the device, on
+that stream, and given back like a dropped batch, so the server never rewrites
+the slot before the clone has read it.
 
 A dropped batch is given back by recording an event on the stream that was
 current when it was fetched; a watcher thread sends the Release once that
