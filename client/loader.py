@@ -78,6 +78,7 @@ class _Outage:
 class Loader:
     def __init__(self, servers: list[Connection], request: feed_pb2.StreamRequest, *, copy: bool,
                  reconnect_timeout: float):
+        self._opened: dict[int, OpenStream] = {}  # opened ahead for the chosen pass, by part
         self._servers = servers
         self._request = request
         self._copy = copy
@@ -87,7 +88,6 @@ class Loader:
         # The next pass's epoch and position were chosen (by the constructor,
         # set_epoch or load_state_dict); else a new pass is the next epoch.
         self._chosen = True
-        self._opened: dict[int, OpenStream] = {}  # opened ahead for the chosen pass, by part
         self.batch_size = request.batch_size
         self.transport: str | None = None  # of the stream opened last: "inline", "shm", ...
         self.classes: list[str] = []  # with labels="folder": label i is classes[i]
@@ -98,6 +98,13 @@ class Loader:
         except BaseException:
             self._close_opened()
             raise
+
+    def close(self) -> None:
+        """End the streams opened ahead for a pass that has not started (a pass's own
+        streams end with it). Dropping the loader does the same."""
+        self._close_opened()
+
+    __del__ = close
 
     @property
     def epoch(self) -> int:
@@ -138,8 +145,12 @@ class Loader:
         if samples < 0 or samples % self.batch_size:
             raise ValueError(f"load_state_dict: samples_consumed must be a multiple of batch_size "
                              f"{self.batch_size}, got {samples}")
-        self._begin(int(state["epoch"]))
         batches, servers = samples // self.batch_size, len(self._parts)
+        totals = [part.total for part in self._parts]
+        if None not in totals and batches >= sum(totals):  # a finished pass: the next epoch
+            self._begin(int(state["epoch"]) + 1)
+            return
+        self._begin(int(state["epoch"]))
         for part in self._parts:  # batch k of the pass is part k % servers's
             part.consumed = max(0, (batches - part.index + servers - 1) // servers)
 

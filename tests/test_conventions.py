@@ -3,6 +3,7 @@ paths as pathlib.Path, a square size as one int, a refused resume of another req
 
 from __future__ import annotations
 
+import gc
 import shutil
 import socket
 from pathlib import Path
@@ -126,3 +127,30 @@ def test_a_state_from_another_request_is_refused_naming_the_field(feed, image_na
     same = feed.loader(files=files, **_OPTIONS, transport="inline", prefetch=1)
     same.load_state_dict(state)  # transport and prefetch do not decide the content
     assert len(_indices(same)) == 64 - 32
+
+
+def test_a_dropped_loader_ends_the_stream_it_opened_ahead(data_dir, image_names):
+    """loader(...) opens a stream on the server; a loader never iterated, then dropped
+    (or closed), must not hold it: with --max-streams 1, loaders made one after another
+    are all served."""
+    from gpufeed.server.process import ServerProcess
+    from support import wait_until
+
+    def served() -> bool:
+        try:
+            loader = feed.loader(files=image_names, batch_size=2, size=8, prefetch=1)
+        except FeedError as e:
+            assert "--max-streams" in str(e), e  # the previous one may still be closing
+            return False
+        if closing:
+            loader.close()
+        return True
+
+    with ServerProcess(["--data-root", str(data_dir), "--max-streams", "1"]) as server, \
+            FeedClient(server.address) as feed:
+        gc.disable()  # dropping must be enough, without waiting for a collection
+        try:
+            for closing in (False, True, False, True):
+                assert wait_until(served)
+        finally:
+            gc.enable()
