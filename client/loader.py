@@ -220,17 +220,17 @@ class Loader:
     def _open(self, part: _Part, outage: _Outage) -> OpenStream:
         """A stream of ``part`` from its position, on its server; the header's facts noted."""
         server = self._servers[part.server]
+        request = feed_pb2.StreamRequest()
+        request.CopyFrom(self._request)
+        if request.transport == feed_pb2.TRANSPORT_AUTO:
+            request.transport = server.auto_transport()  # Info, the first time
         if not server.answered:  # a wrong address or a server that is down: fail fast
             server.info()
         elif outage.since is not None:  # a server that accepts TCP but never answers
             server.wait_ready(outage.since + self._reconnect_timeout - time.monotonic())
-        request = feed_pb2.StreamRequest()
-        request.CopyFrom(self._request)
         if len(self._parts) > 1:
             request.batch_stride, request.batch_offset = len(self._parts), part.index
         request.start_batch = part.consumed
-        if request.transport == feed_pb2.TRANSPORT_AUTO:
-            request.transport = server.auto_transport()
         stream = OpenStream(server, request, self._copy)
         header = stream.header
         self.classes = list(header.classes)
