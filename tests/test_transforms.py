@@ -146,10 +146,10 @@ def test_labels_from_list_file_and_folders(feed, data_dir, image_names):
     assert [l for b in loader for l in b["label"].tolist()] == [i % 3 for i in range(9)]
 
     for folder in ("zebra", "ant"):
-        (data_dir / folder).mkdir(exist_ok=True)
-        (data_dir / folder / "x.jpg").write_bytes((data_dir / image_names[0]).read_bytes())
-    loader = feed.loader(files=["zebra/x.jpg", "ant/x.jpg", "zebra/x.jpg"], batch_size=3,
-                         size=(8, 8), labels="folder")
+        (data_dir / "zoo" / folder).mkdir(parents=True, exist_ok=True)
+        (data_dir / "zoo" / folder / "x.jpg").write_bytes((data_dir / image_names[0]).read_bytes())
+    loader = feed.loader(files=["zoo/zebra/x.jpg", "zoo/ant/x.jpg", "zoo/zebra/x.jpg"],
+                         batch_size=3, size=(8, 8), labels="folder")
     (batch,) = list(loader)
     assert loader.classes == ["ant", "zebra"]
     assert batch["label"].tolist() == [1, 0, 1]
