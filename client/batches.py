@@ -74,8 +74,6 @@ class InlineBatches:
         pass
 
     def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
-        if not batch.data:  # every sample failed: empty tensors (frombuffer refuses b"")
-            return slot_tensors(torch.UntypedStorage(0), batch.tensors)
         owned = torch.frombuffer(bytearray(batch.data), dtype=torch.uint8)
         return slot_tensors(owned.untyped_storage(), batch.tensors)
 

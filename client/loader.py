@@ -212,6 +212,10 @@ class Loader:
             if message is None:
                 return
             self._note_failures(message.batch)
+            if not message.batch.tensors:  # every sample failed: nothing to train on
+                release(message.batch.seq, waited)
+                part.consumed = message.batch.seq + 1
+                continue
             tensors = batches.tensors(message.batch)
             # Owned tensors give the slot back now; views give it back when dropped.
             release(message.batch.seq if batches.release_at_once else -1, waited)
