@@ -71,6 +71,19 @@ def test_centre_crop_matches_resize_then_centre_crop(feed, data_dir, image_names
             assert psnr(batch["image"][row].numpy(), _chw(ref)) >= MIN_PSNR_DB, image_names[i]
 
 
+def test_centre_crop_default_shorter_side_is_torchvision_and_timms(feed, image_names):
+    """Their evaluation resize is floor(size / 0.875): 109 for 96 (rounding would give 110).
+    Explicit shorter sides are checked against Pillow above; the default must be one of them."""
+    def images(**kwargs) -> torch.Tensor:
+        loader = feed.loader(files=image_names[:16], batch_size=16, size=(96, 96),
+                             resize="center_crop", **kwargs)
+        return torch.cat([b["image"].clone() for b in loader])
+
+    default = images()
+    assert torch.equal(default, images(shorter_side=109))
+    assert not torch.equal(default, images(shorter_side=110))
+
+
 def test_random_resized_crop_and_flip_match_the_reference(feed, data_dir, image_names):
     """The crop each sample gets is torchvision's box for its (seed, epoch, index), and its
     pixels are Pillow's resize of that region (the window's sub-pixel position included)."""
