@@ -1,14 +1,16 @@
 """The gRPC servicer: Info, and Stream from request to last batch.
 
 A Stream call runs on a gRPC worker thread, which yields the header and then
-each published batch. Each stream logs one line when it opens, one when it
-ends and one if it is refused instead (peer, transport, samples, batches,
-failures, duration, status), and refusals are counted by status code. A second thread per stream reads the client's later
+each published batch. A second thread per stream reads the client's later
 messages (attached, release). Whatever ends the call (last batch, client gone,
 bad message, server stopping), ``finally`` closes the stream: decode work is
 cancelled and its shared memory or device ring is let go, once the client has
 mapped or opened it (or left, or had ``_ATTACH_GRACE`` seconds to), so that the
 status it gets is the real one and not "cannot map".
+
+Each stream logs one line when it opens and one when it ends, or one when it
+is refused instead (peer, transport, samples, batches, failures, duration,
+status); refusals are also counted by status code.
 """
 
 from __future__ import annotations
