@@ -93,12 +93,10 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     names, listed_labels, prefix = _sample_names(req, roots)
     if not names:
         raise _invalid("samples: the list is empty")
-    if len(names) > limits.max_samples:
-        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"samples: {len(names)} samples is over the server's --max-samples "
-                           f"{limits.max_samples}")
+    _check_count(len(names), limits)
     samples = _sample_files(names, prefix, roots, limits.max_samples)
     names, paths = samples.names, samples.paths
+    _check_count(len(paths), limits)  # directories listed
     labels, classes = _labels(req, samples, listed_labels, roots)
     try:
         kind = sample_kind(names)
@@ -153,6 +151,13 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                       transport=transport,
                       prefetch=prefetch, max_failures=_failure_budget(req, len(order), limits),
                       lease_timeout=limits.lease_timeout)
+
+
+def _check_count(samples: int, limits: Limits) -> None:
+    if samples > limits.max_samples:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"samples: {samples} samples is over the server's --max-samples "
+                           f"{limits.max_samples}")
 
 
 def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limits) -> int:

@@ -153,6 +153,8 @@ def test_a_file_directly_in_a_listed_directory_has_no_class(feed, tree):
 @pytest.mark.parametrize("files, code, words", [
     ("escape/", grpc.StatusCode.PERMISSION_DENIED, ["escape/link", "outside the data roots"]),
     ("big/", grpc.StatusCode.RESOURCE_EXHAUSTED, ["'big/'", "--max-samples"]),
+    (["val/"] * 20 + ["big/c/000.jpg"] * 2, grpc.StatusCode.RESOURCE_EXHAUSTED,
+     ["42 samples", "--max-samples"]),
     (["val/dog"], grpc.StatusCode.INVALID_ARGUMENT, ["val/dog", "no image"]),
     ("../", grpc.StatusCode.PERMISSION_DENIED, ["list_file"]),
 ])
