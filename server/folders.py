@@ -82,17 +82,18 @@ def list_directory(directory: str, name: str, roots: DataRoots, limit: int) -> l
     files.sort()
     seen = {os.path.realpath(directory)}
     for subdir in sorted(subdirs):
-        walked = _walk(os.path.join(directory, subdir), name, roots, seen)
+        _check_limit(len(files), limit, name)
+        walked = _walk(os.path.join(directory, subdir), name, roots, seen, limit - len(files))
         for parent, names in sorted(walked):
             files.extend(os.path.join(parent, n) for n in sorted(names))
-            if len(files) > limit:
-                break
-        if len(files) > limit:
-            break
-    if len(files) > limit:
+    _check_limit(len(files), limit, name)
+    return files
+
+
+def _check_limit(count: int, limit: int, name: str) -> None:
+    if count > limit:
         raise TooManyFiles(f"{name!r} holds more than {limit} sample files (the server's "
                            f"--max-samples, less the samples before it)")
-    return files
 
 
 def _entries(directory: str, name: str) -> list[os.DirEntry]:
@@ -103,13 +104,15 @@ def _entries(directory: str, name: str) -> list[os.DirEntry]:
         raise FolderError(f"cannot list {name!r}: {e.strerror or e}") from None
 
 
-def _walk(top: str, name: str, roots: DataRoots, seen: set[str]) -> list[tuple[str, list[str]]]:
+def _walk(top: str, name: str, roots: DataRoots, seen: set[str], limit: int
+          ) -> list[tuple[str, list[str]]]:
     """(directory, sample file names) for every directory under ``top``, ``top`` included.
 
     ``seen`` holds the real paths already walked: reaching one again (a symlink
     loop, or two links to one directory) is refused rather than listed twice.
+    More than ``limit`` files stop the walk (TooManyFiles).
     """
-    found = []
+    found, count = [], 0
 
     def fail(error: OSError) -> None:
         raise FolderError(f"cannot list {_shown(error.filename, roots)!r} under {name!r}: "
@@ -125,6 +128,8 @@ def _walk(top: str, name: str, roots: DataRoots, seen: set[str]) -> list[tuple[s
                               f"listed already (a symlink loop, or a second link to it)")
         seen.add(real)
         found.append((parent, [f for f in files if is_sample_file(f)]))
+        count += len(found[-1][1])
+        _check_limit(count, limit, name)
     return found
 
 
