@@ -78,8 +78,6 @@ class InlineBatches:
 
     def tensors(self, batch: feed_pb2.Batch) -> tuple[dict[str, torch.Tensor], bool]:
         """The batch's tensors, and True: they are owned, the slot can go back now."""
-        if not batch.data:  # every sample failed: empty tensors (frombuffer refuses b"")
-            return slot_tensors(torch.UntypedStorage(0), batch.tensors), True
         owned = torch.frombuffer(bytearray(batch.data), dtype=torch.uint8)
         return slot_tensors(owned.untyped_storage(), batch.tensors), True
 

@@ -91,6 +91,7 @@ class FeedClient:
     def loader(self, files: Sequence[str | os.PathLike] | str | os.PathLike, *,
                batch_size: int, size: int | tuple[int, int] | None = None,
                prefix: str | os.PathLike = "", labels: Sequence[int] | str | None = None,
+               classes: Sequence[str] | None = None,
                shuffle: bool = False, seed: int = 0, epoch: int = 0, rank: int = 0,
                world_size: int = 1, drop_last: bool = False, resize: str = "squash",
                shorter_side: int = 0, scale: tuple[float, float] = (0.08, 1.0),
@@ -105,12 +106,15 @@ class FeedClient:
         (``str`` or ``pathlib.Path`` alike). A ``Path`` prefix is a directory: its
         files are ``prefix / name``; a ``str`` prefix is prepended as it is.
 
+        A directory (``files="train/"``, or one in the list) stands for the
+        image, video or array files under it, recursively, in ImageFolder's order.
         ``labels``: one int per file, or "list_file" (the list file's lines are
-        ``path<TAB>label``), or "folder" (each file's parent folder is its class;
-        ``loader.classes`` lists them, sorted). ``size`` is (height, width), or
-        one int for a square.
+        ``path<TAB>label``), or "folder" (each file's class folder is its class,
+        numbered as ImageFolder does: ``classes`` if given, else the sorted
+        subdirectories of the dataset directory; ``loader.classes`` lists them).
+        ``size`` is (height, width), or one int for a square.
         ``resize``: "squash" (to exactly ``size``), "center_crop" (evaluation:
-        shorter side to ``shorter_side``, 0 meaning size * 8/7, then the centre)
+        shorter side to ``shorter_side``, 0 meaning floor(size / 0.875), then the centre)
         or "random_resized_crop" (training, with ``scale`` and ``ratio`` ranges as
         in torchvision). ``flip``: probability of a horizontal flip. ``dtype``:
         "uint8", or "float32"/"float16"/"bfloat16" for x / 255, then (x - mean) /
@@ -152,7 +156,7 @@ class FeedClient:
             label_source, labels = _choice("labels", labels, _LABEL_SOURCES), None
         request = feed_pb2.StreamRequest(
             prefix=_prefix(prefix), labels=[] if labels is None else [int(x) for x in labels],
-            label_source=label_source,
+            label_source=label_source, classes=list(classes or ()),
             batch_size=batch_size, output=output,
             clip=feed_pb2.ClipSpec(frames=clip[0], stride=clip[1], random_start=random_clip)
             if clip else None,

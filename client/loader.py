@@ -198,7 +198,8 @@ class Loader:
                     self._note_failures(failures)
                     part.consumed = seq + 1
                     outage = _Outage()
-                    yield tensors
+                    if tensors is not None:  # None: every sample failed, nothing to train on
+                        yield tensors
                 if part.total is not None and part.consumed < part.total:
                     raise FeedError(grpc.StatusCode.UNAVAILABLE,
                                     f"the stream ended at batch {part.consumed} of {part.total}")

@@ -54,9 +54,10 @@ class OpenStream:
             raise
 
     def batches(self) -> Iterator[tuple[int, list[feed_pb2.SampleFailure],
-                                        dict[str, torch.Tensor]]]:
+                                        dict[str, torch.Tensor] | None]]:
         """(seq, failures, tensors) of each batch to the stream's end; slots go back as
-        soon as the tensors are owned, or once the trainer drops them (views)."""
+        soon as the tensors are owned, or once the trainer drops them (views).
+        ``tensors`` is None for a batch whose every sample failed."""
         while True:
             self._batches.make_room()
             waiting = time.perf_counter()
@@ -64,6 +65,10 @@ class OpenStream:
             waited = time.perf_counter() - waiting
             if message is None:
                 return
+            if not message.batch.tensors:  # every sample failed: the server sent no rows
+                self._release(message.batch.seq, waited)
+                yield message.batch.seq, message.batch.failures, None
+                continue
             tensors, owned = self._batches.tensors(message.batch)
             self._release(message.batch.seq if owned else -1, waited)
             yield message.batch.seq, message.batch.failures, tensors

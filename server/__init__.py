@@ -4,7 +4,19 @@ Run it with ``gpufeed-server --data-root DIR`` (or ``python -m gpufeed.server``)
 embed it with ``FeedServer(ServerConfig(data_roots=[...]))``.
 """
 
-from .app import FeedServer, ServerConfig
-from .request import Limits
-
 __all__ = ["FeedServer", "Limits", "ServerConfig"]
+
+
+def __getattr__(name: str):
+    # Imported when first used, so that ``gpufeed-server`` can tell a client-only
+    # install (no PyAV, no prometheus-client) what to install instead of failing
+    # on this package's import.
+    if name in ("FeedServer", "ServerConfig"):
+        from . import app
+
+        return getattr(app, name)
+    if name == "Limits":
+        from .request import Limits
+
+        return Limits
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``gpufeed-server``: serve decoded batches from files under the data roots."""
+"""gpufeed-server: serve decoded batches from files under the data roots."""
 
 from __future__ import annotations
 
@@ -8,13 +8,24 @@ import signal
 import sys
 import threading
 
-from .app import FeedServer, ServerConfig, default_threads
-from .auth import read_token
-from .request import Limits
+import gpufeed
+
+try:
+    from .app import FeedServer, ServerConfig, default_threads
+    from .auth import read_token
+    from .request import Limits
+except ModuleNotFoundError as e:
+    # A trainer image installs gpufeed alone; say what is missing rather than a traceback.
+    if e.name not in ("av", "prometheus_client", "grpc_health", "grpc_reflection"):
+        raise
+    _MISSING = e.name
+else:
+    _MISSING = None
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpufeed-server", description=__doc__)
+    p.add_argument("--version", action="version", version=f"gpufeed-server {gpufeed.__version__}")
     p.add_argument("--listen", default="0.0.0.0:50051",
                    help="HOST:PORT to serve gRPC on; port 0 picks a free one (default %(default)s)")
     p.add_argument("--data-root", action="append", required=True, metavar="DIR",
@@ -49,14 +60,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-client-ca", metavar="PEM",
                    help="require client certificates signed by this CA (mutual TLS)")
     p.add_argument("--token-file", metavar="FILE",
-                   help="require `authorization: Bearer <token>` on every call (token read "
-                        "from FILE; health checks are exempt)")
+                   help="require the header 'authorization: Bearer TOKEN' on every call (TOKEN "
+                        "read from FILE; health checks are exempt)")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="least severe log lines written to stderr; INFO has one line per "
+                        "stream at open and end, WARNING only refusals and failures "
+                        "(default %(default)s)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    if _MISSING is not None:
+        print(f"gpufeed-server: the server's dependencies are not installed ({_MISSING} is "
+              f"missing); install gpufeed[server], e.g. pip install 'gpufeed[server]'",
+              file=sys.stderr)
+        return 1
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The metrics, ready and stopping lines are written whatever --log-level says:
+    # whoever starts the server waits for the ready line (process.py does).
+    lifecycle = logging.getLogger("gpufeed.server.lifecycle")
+    lifecycle.setLevel(logging.INFO)
     if args.threads < 1:
         _parser().error("--threads must be at least 1")
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -87,13 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     server.start()
     if server.metrics.address:  # before the ready line, so whoever waits for it has both
-        logging.getLogger("gpufeed.server").info(
+        lifecycle.info(
             "gpufeed-server metrics on http://%s/metrics", server.metrics.address)
-    logging.getLogger("gpufeed.server").info(
+    lifecycle.info(
         "gpufeed-server ready on %s (data roots: %s; %d decode threads)",
         server.address, ", ".join(config.data_roots), config.threads)
     stopping.wait()
-    logging.getLogger("gpufeed.server").info("stopping")
+    lifecycle.info("stopping")
     server.stop()
     return 0
 

@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 import gpufeed
 from gpufeed.v1 import feed_pb2
 
-__all__ = ["FAILURE_REASONS", "STAGES", "TRANSPORTS", "ServerMetrics", "failure_reason",
+__all__ = ["FAILURE_REASONS", "REFUSAL_CODES", "STAGES", "TRANSPORTS", "ServerMetrics", "failure_reason",
            "transport_name"]
 
 TRANSPORTS = ("inline", "shm", "cuda_ipc")
@@ -40,6 +40,9 @@ TRANSPORTS = ("inline", "shm", "cuda_ipc")
 # send: a batch message handed to gRPC until gRPC takes the next (flow control included).
 STAGES = ("read", "decode", "batch", "device_copy", "send")
 FAILURE_REASONS = ("not_found", "permission_denied", "read_error", "decode_error")
+# The statuses a Stream is refused with (service.py), each a series from the start.
+REFUSAL_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
+                 "UNAVAILABLE")
 # From tens of microseconds (a cached read, a small image) to tens of seconds (a
 # large batch on a busy pool): one set of buckets fits per-sample and per-batch stages.
 _STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
@@ -80,6 +83,9 @@ class ServerMetrics:
                                       "messages sent over gRPC (inline carries the tensors; "
                                       "shm only their metadata).", ["transport"], registry=r)
         self._streams = Counter("gpufeed_streams", "Streams opened.", ["transport"], registry=r)
+        self._refused = Counter("gpufeed_streams_refused", "Streams refused before their "
+                                "header (a bad request, a limit, draining), by gRPC status "
+                                "code.", ["code"], registry=r)
         self._failures = Counter("gpufeed_sample_failures", "Samples that failed to read or "
                                  "decode and were left out of their batch.", ["reason"],
                                  registry=r)
@@ -99,6 +105,8 @@ class ServerMetrics:
                 family.labels(transport)
         for reason in FAILURE_REASONS:
             self._failures.labels(reason)
+        for code in REFUSAL_CODES:
+            self._refused.labels(code)
         # Stream code times its stages with ``with metrics.stages["read"].time():``.
         self.stages = {stage: self._stage.labels(stage) for stage in STAGES}
         self._live = _LiveState(pool)
@@ -111,6 +119,10 @@ class ServerMetrics:
         name = transport_name(transport)
         self._streams.labels(name).inc()
         self._live.add(stream, name)
+
+    def refused(self, code) -> None:
+        """A Stream call refused with ``code`` (a grpc.StatusCode)."""
+        self._refused.labels(code.name).inc()
 
     def closed(self, stream) -> None:
         """Safe to call for a stream never opened, and more than once."""

@@ -39,7 +39,7 @@ class DataRoots:
         """
         if os.path.isabs(name):
             path = os.path.normpath(name)
-            if self._root_of(path) is None:
+            if self.root_of(path) is None:
                 raise OutsideDataRoots(f"{name!r} is not under a data root")
             return path
         rel = os.path.normpath(name)
@@ -61,7 +61,7 @@ class DataRoots:
             real = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             real = os.path.realpath(path)  # no /proc: checked, if less strictly
-        if self._root_of(real) is None:
+        if self.root_of(real) is None:
             os.close(fd)
             raise OutsideDataRoots(f"{path!r} resolves outside the data roots")
         return fd
@@ -74,7 +74,8 @@ class DataRoots:
         finally:
             os.close(fd)
 
-    def _root_of(self, path: str) -> str | None:
+    def root_of(self, path: str) -> str | None:
+        """The root a normalised absolute path lies under (lexically), or None."""
         for root in self.roots:
             if path == root or path.startswith(root.rstrip("/") + "/"):
                 return root

@@ -2,7 +2,8 @@
 
 Every check names the request field at fault. Nothing here decodes or reads
 sample files (a missing or corrupt sample fails only that sample, later); only
-the list file, when one is named, is read here.
+the list file, when one is named, is read here, and directories named as
+samples are listed (folders.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from gpufeed.v1 import feed_pb2
 
 from .arrays import read_arrays
 from .decode import DecodeError
+from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_labels, \
+    list_directory
 from .paths import DataRoots, OutsideDataRoots
 from .ring import BatchLayout
-from .samples import ARRAYS, VIDEO, ArrayRows, ImageRows, VideoRows, sample_kind
+from .samples import ARRAYS, VIDEO, ArrayRows, ImageRows, VideoRows, is_sample_file, sample_kind
 from .order import shard_order, split_batches
 from .transform import OutputTransform
 
@@ -87,15 +90,14 @@ def _invalid(message: str) -> RequestError:
 
 def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                 transports: tuple[int, ...]) -> StreamPlan:
-    names, listed_labels = _sample_names(req, roots)
+    names, listed_labels, prefix = _sample_names(req, roots)
     if not names:
         raise _invalid("samples: the list is empty")
-    if len(names) > limits.max_samples:
-        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"samples: {len(names)} samples is over the server's --max-samples "
-                           f"{limits.max_samples}")
-    paths = _locate_all(names, req.prefix, roots)
-    labels, classes = _labels(req, names, listed_labels)
+    _check_count(len(names), limits)
+    samples = _sample_files(names, prefix, roots, limits.max_samples)
+    names, paths = samples.names, samples.paths
+    _check_count(len(paths), limits)  # directories listed
+    labels, classes = _labels(req, samples, listed_labels, roots)
     try:
         kind = sample_kind(names)
     except ValueError as e:
@@ -103,18 +105,21 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
 
     if req.batch_size <= 0:
         raise _invalid(f"batch_size must be positive, got {req.batch_size}")
-    if kind == ARRAYS:
-        transform = None
-        reader = ArrayRows(_first_arrays(paths[0], names[0], roots))
-        layout = _array_layout(req.batch_size, reader, labels is not None)
-    else:
-        transform, reader = _pixels(req, kind)
-        layout = _image_layout(req.batch_size, transform, labels is not None)
     world_size = req.world_size or 1
     if world_size < 0:
         raise _invalid(f"world_size must be positive, got {world_size}")
     if not 0 <= req.rank < world_size:
         raise _invalid(f"rank must be in [0, world_size={world_size}), got {req.rank}")
+    # Every split over ranks carries `padded` (order.py), so a trainer's keys do
+    # not depend on whether world_size happens to divide the data set.
+    extra = _own_arrays(labels is not None, padded=world_size > 1)
+    if kind == ARRAYS:
+        transform = None
+        reader = ArrayRows(_first_arrays(paths[0], names[0], roots))
+        layout = _array_layout(req.batch_size, reader, extra)
+    else:
+        transform, reader = _pixels(req, kind)
+        layout = _image_layout(req.batch_size, transform, extra)
 
     prefetch = req.prefetch or limits.default_prefetch
     if not 0 < prefetch <= limits.max_prefetch:
@@ -160,6 +165,13 @@ def _served_batches(req: feed_pb2.StreamRequest, batches: list[np.ndarray]
     if stride > 1 and req.job:
         raise _invalid("batch_stride: a shared job serves the whole pass; give one or the other")
     return batches[req.batch_offset::stride]
+
+
+def _check_count(samples: int, limits: Limits) -> None:
+    if samples > limits.max_samples:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"samples: {samples} samples is over the server's --max-samples "
+                           f"{limits.max_samples}")
 
 
 def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limits) -> int:
@@ -215,27 +227,31 @@ def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarra
         if array.dtype.kind not in "biufc":
             raise _invalid(f"samples[0]: {name!r}: {key!r} is {array.dtype}, which has no "
                            f"tensor type")
-        if key in ("index", "label"):
+        if key in ("index", "label", "padded"):
             raise _invalid(f"samples[0]: {name!r}: the key {key!r} is reserved for gpufeed's own "
                            f"tensors; rename it")
     return first
 
 
-def _array_layout(batch_size: int, reader: ArrayRows, with_labels: bool) -> BatchLayout:
+def _own_arrays(with_labels: bool, padded: bool) -> list[tuple]:
+    """gpufeed's per-sample arrays: index; label when labelled; padded when split over ranks."""
+    arrays = [("index", np.int64, ())]
+    if with_labels:
+        arrays.append(("label", np.int64, ()))
+    if padded:
+        arrays.append(("padded", np.bool_, ()))
+    return arrays
+
+
+def _array_layout(batch_size: int, reader: ArrayRows, own: list[tuple]) -> BatchLayout:
     arrays = [(key, spec.dtype, spec.shape) for key, spec in reader.layout.items()]
-    arrays.append(("index", np.int64, ()))
-    if with_labels:
-        arrays.append(("label", np.int64, ()))
-    return BatchLayout(batch_size, arrays)
+    return BatchLayout(batch_size, arrays + own)
 
 
-def _image_layout(batch_size: int, transform: OutputTransform, with_labels: bool) -> BatchLayout:
-    """image (as asked), index, label; uint8 pixels and flips as working space when needed."""
+def _image_layout(batch_size: int, transform: OutputTransform, own: list[tuple]) -> BatchLayout:
+    """image (as asked), index, label, padded; uint8 pixels and flips as working space."""
     wire = "bfloat16" if transform.dtype == torch.bfloat16 else ""
-    arrays = [("image", transform.image_dtype, transform.image_shape, wire),
-              ("index", np.int64, ())]
-    if with_labels:
-        arrays.append(("label", np.int64, ()))
+    arrays = [("image", transform.image_dtype, transform.image_shape, wire), *own]
     private = ["flip"]
     arrays.append(("flip", np.bool_, ()))
     if transform.converts:
@@ -244,44 +260,57 @@ def _image_layout(batch_size: int, transform: OutputTransform, with_labels: bool
     return BatchLayout(batch_size, arrays, tuple(private))
 
 
-def _labels(req: feed_pb2.StreamRequest, names: list[str],
-            listed: list[int] | None) -> tuple[np.ndarray | None, list[str]]:
+def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: list[int] | None,
+            roots: DataRoots) -> tuple[np.ndarray | None, list[str]]:
     """Per-sample labels (or None) and, for folder labels, the class names."""
     source = req.label_source
     if req.labels and source != feed_pb2.LABELS_FROM_REQUEST:
         raise _invalid("labels: give labels or label_source, not both")
+    if req.classes and source != feed_pb2.LABELS_FROM_FOLDER:
+        raise _invalid("classes: only folder labels (LABELS_FROM_FOLDER) take class names")
     if source == feed_pb2.LABELS_FROM_REQUEST:
         if not req.labels:
             return None, []
-        if len(req.labels) != len(names):
-            raise _invalid(f"labels: {len(req.labels)} labels for {len(names)} samples")
+        if len(req.labels) != len(samples.paths):
+            raise _invalid(f"labels: {len(req.labels)} labels for {len(samples.paths)} samples")
         return np.asarray(req.labels, dtype=np.int64), []
     if source == feed_pb2.LABELS_FROM_LIST_FILE:
         if listed is None:
             raise _invalid("label_source: LABELS_FROM_LIST_FILE needs a list_file")
+        if samples.listings:
+            raise _invalid(f"list_file: {samples.names[samples.listings[0].start]!r} comes from "
+                           f"a directory; labels from the list file need one file per line")
         return np.asarray(listed, dtype=np.int64), []
     if source == feed_pb2.LABELS_FROM_FOLDER:
-        folders = [posixpath.basename(posixpath.dirname(posixpath.normpath(n))) for n in names]
-        if not all(folders):
-            bad = next(n for n, f in zip(names, folders) if not f)
-            raise _invalid(f"label_source: LABELS_FROM_FOLDER needs every sample in a folder, "
-                           f"{bad!r} is not")
-        classes = sorted(set(folders))
-        number = {name: i for i, name in enumerate(classes)}
-        return np.asarray([number[f] for f in folders], dtype=np.int64), classes
+        try:
+            return folder_labels(samples, list(req.classes), roots)
+        except OutsideDataRoots as e:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"label_source: {e}") from None
+        except FolderError as e:
+            code = grpc.StatusCode.NOT_FOUND if e.not_found else grpc.StatusCode.INVALID_ARGUMENT
+            raise RequestError(code, str(e)) from None
     raise _invalid(f"label_source: unknown value {source}")
 
 
 def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots
-                  ) -> tuple[list[str], list[int] | None]:
-    """The sample names, and the list file's labels when label_source asks for them."""
+                  ) -> tuple[list[str], list[int] | None, str]:
+    """The sample names, the list file's labels when label_source asks for them, the prefix.
+
+    A directory given as list_file is one name, located as a list file is
+    (without the prefix), and listed later like a directory in ``files``.
+    """
     kind = req.WhichOneof("samples")
     if kind == "files":
-        return list(req.files.paths), None
+        return list(req.files.paths), None, req.prefix
     if kind != "list_file":
         raise _invalid("samples: give either files or list_file")
     try:
         path = roots.locate(req.list_file)
+        if os.path.isdir(path):
+            if req.label_source == feed_pb2.LABELS_FROM_LIST_FILE:
+                raise _invalid(f"list_file: {req.list_file!r} is a directory; labels from the "
+                               f"list file need a list file")
+            return [req.list_file], None, ""
         text = roots.read(path).decode("utf-8")
     except OutsideDataRoots as e:
         raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"list_file: {e}") from None
@@ -292,7 +321,7 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots
         raise _invalid(f"list_file: cannot read {req.list_file!r}: {e}") from None
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if req.label_source != feed_pb2.LABELS_FROM_LIST_FILE:
-        return lines, None
+        return lines, None, req.prefix
     names, labels = [], []
     for number, line in enumerate(lines, 1):
         name, tab, label = line.rpartition("\t")
@@ -303,14 +332,36 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots
         if not tab:
             raise _invalid(f"list_file: line {number} is not `path<TAB>integer label`: {line!r}")
         names.append(name)
-    return names, labels
+    return names, labels, req.prefix
 
 
-def _locate_all(names: list[str], prefix: str, roots: DataRoots) -> list[str]:
-    paths = []
+def _sample_files(names: list[str], prefix: str, roots: DataRoots, max_samples: int
+                  ) -> SampleFiles:
+    """Located paths, each directory among them replaced by the files under it.
+
+    Only a name without an image, video or array suffix costs a system call
+    (is it a directory?): a long list of files is checked lexically, as before.
+    """
+    samples = SampleFiles()
     for i, name in enumerate(names):
         try:
-            paths.append(roots.locate(prefix + name))
+            path = roots.locate(prefix + name)
+            if is_sample_file(name) or not os.path.isdir(path):
+                samples.names.append(name)
+                samples.paths.append(path)
+                continue
+            listed = list_directory(path, name, roots, max_samples - len(samples.paths))
         except OutsideDataRoots as e:
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"samples[{i}]: {e}") from None
-    return paths
+        except TooManyFiles as e:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"samples[{i}]: {e}") from None
+        except FolderError as e:
+            raise _invalid(f"samples[{i}]: {e}") from None
+        if not listed:
+            raise _invalid(f"samples[{i}]: the directory {name!r} holds no image, video or "
+                           f"array files")
+        start = len(samples.paths)
+        samples.paths += listed
+        samples.names += [posixpath.join(name, os.path.relpath(p, path)) for p in listed]
+        samples.listings.append(Listing(start, len(samples.paths), path))
+    return samples

@@ -20,11 +20,20 @@ from .paths import DataRoots
 from .transform import CLIP, OutputTransform, sample_rng
 from .video import VideoDecoder, centred_start, random_start
 
-__all__ = ["ArrayRows", "Decoders", "ImageRows", "VideoRows", "sample_kind"]
+__all__ = ["ArrayRows", "Decoders", "ImageRows", "VideoRows", "is_sample_file", "sample_kind"]
 
 IMAGE, VIDEO, ARRAYS = "image", "video", "arrays"
+# What a directory listing picks up as images: ImageFolder's extensions, and GIF.
+# A file named in a list is an image whatever its suffix, unless video or arrays.
+_IMAGES = {".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".bmp", ".tif", ".tiff", ".webp", ".gif"}
 _VIDEO = {".mp4", ".m4v", ".mkv", ".webm", ".avi", ".mov"}
 _ARRAYS = {".npy", ".npz", ".pt", ".pth"}
+_LISTED = _IMAGES | _VIDEO | _ARRAYS
+
+
+def is_sample_file(name: str) -> bool:
+    """Whether a directory listing serves this file: an image, video or array suffix."""
+    return posixpath.splitext(name)[1].lower() in _LISTED
 
 
 def kind_of(name: str) -> str:

@@ -7,6 +7,10 @@ bad message, server stopping), ``finally`` closes the stream: decode work is
 cancelled and its shared memory or device ring is let go, once the client has
 mapped or opened it (or left, or had ``_ATTACH_GRACE`` seconds to), so that the
 status it gets is the real one and not "cannot map".
+
+Each stream logs one line when it opens and one when it ends, or one when it
+is refused instead (peer, transport, samples, batches, failures, duration,
+status); refusals are also counted by status code.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, transport_name
 from .paths import DataRoots
 from .pool import DecodePool
 from .request import Limits, RequestError, StreamPlan, plan_stream
@@ -77,23 +81,29 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
     def Stream(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("kind") != "open":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "the first message of a stream must be `open` with the request")
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         "the first message of a stream must be `open` with the request")
         refusal = self._enter()
         if refusal is not None:
-            context.abort(*refusal)
+            self._refuse(context, *refusal)
         try:
             try:
                 plan = plan_stream(first.open, self._roots, self._limits, self.transports)
                 job = self._jobs.join(first.open, plan) if first.open.job else None
                 memory = self._slot_memory(plan)
             except RequestError as e:
-                context.abort(e.code, str(e))
+                self._refuse(context, e.code, str(e))
             yield from self._serve(plan, job, memory, request_iterator, context)
         finally:
             with self._lock:
                 self._open_streams -= 1
                 self._lock.notify_all()
+
+    def _refuse(self, context, code: grpc.StatusCode, message: str) -> None:
+        """Log, count and end a stream that is not served (raises, as context.abort does)."""
+        _log.warning("stream refused: peer=%s status=%s: %s", context.peer(), code.name, message)
+        self._metrics.refused(code)
+        context.abort(code, message)
 
     def drain(self, grace: float) -> None:
         """Refuse new streams; give open ones ``grace`` seconds, then end them UNAVAILABLE."""
@@ -146,6 +156,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         with self._lock:
             self._streams.add(stream)
         header_sent_at = None
+        log = _StreamLog(context.peer(), plan, job)
         try:
             if job is not None:
                 job.add_consumer(stream.wake)
@@ -166,16 +177,25 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             ))
             header_sent_at = time.monotonic()
             for batch in stream.published():
-                if device_ring is not None:
+                if device_ring is not None and batch.rows:
                     device_ring.publish(batch, plan)
                 message = feed_pb2.ServerMessage(batch=_batch_message(batch, plan))
                 sending = time.perf_counter()
                 yield message  # returns once gRPC has taken the message
-                self._metrics.sent(plan.transport, message, time.perf_counter() - sending)
+                log.sent(batch)
+                if batch.rows:
+                    self._metrics.sent(plan.transport, message, time.perf_counter() - sending)
+            log.status = "OK"
         except StreamCancelled as e:
             if e.code is not None:
+                log.status = f"{e.code.name}: {e.message}"
                 context.abort(e.code, e.message)
+            log.status = "CANCELLED: the client went away"
+        except Exception as e:  # a bug: gRPC ends the call with UNKNOWN
+            log.status = f"UNKNOWN: {type(e).__name__}: {e}"
+            raise
         finally:
+            log.ended()
             with self._lock:
                 self._streams.discard(stream)
             self._metrics.closed(stream)
@@ -217,10 +237,42 @@ def _read_client(request_iterator, stream: Stream, segment) -> None:
         stream.cancel(grpc.StatusCode.INTERNAL, f"server error reading the client's messages: {e}")
 
 
+class _StreamLog:
+    """The open and end lines of one stream's log, and what it delivered in between."""
+
+    def __init__(self, peer: str, plan: StreamPlan, job: SharedJob | None):
+        self._peer = peer
+        self._transport = transport_name(plan.transport)
+        self._started = time.monotonic()
+        self.samples = self.batches = self.failures = 0
+        # What ends the stream unless something else does: the generator closed by gRPC.
+        self.status = "CANCELLED: the client went away"
+        _log.info("stream open: peer=%s transport=%s samples=%s batches=%s start_batch=%d%s",
+                  peer, self._transport, "?" if job else plan.num_samples,
+                  "?" if job else len(plan.batches) - plan.start_batch, plan.start_batch,
+                  f" job={job.name!r}" if job else "")
+
+    def sent(self, batch: Batch) -> None:
+        self.samples += batch.rows
+        self.batches += 1 if batch.rows else 0
+        self.failures += len(batch.failures)
+
+    def ended(self) -> None:
+        level = logging.INFO if self.status.startswith(("OK", "CANCELLED")) else logging.WARNING
+        _log.log(level, "stream end: peer=%s transport=%s samples=%d batches=%d failures=%d "
+                 "duration=%.3fs status=%s", self._peer, self._transport, self.samples,
+                 self.batches, self.failures, time.monotonic() - self._started, self.status)
+
+
 def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.Batch:
+    """The message of a batch. One whose every sample failed has no tensors: the
+    client notes its failures and yields nothing for it (an empty batch would
+    make a NaN loss), and its position still moves past it."""
     message = feed_pb2.Batch(seq=batch.seq, slot=batch.slot)
     for index, reason in batch.failures:
         message.failures.add(index=index, reason=reason)
+    if not batch.rows:
+        return message
     inline = plan.transport == feed_pb2.TRANSPORT_INLINE
     chunks, offset = [], 0
     for place in plan.layout.tensors:

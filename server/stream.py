@@ -26,6 +26,7 @@ import torch
 from .decode import DecodeError
 from .sources import OwnBatches, SharedJob
 from .metrics import ServerMetrics
+from .order import samples_at
 from .paths import DataRoots
 from .pool import DecodePool
 from .request import StreamPlan
@@ -61,7 +62,8 @@ class Batch:
         self.seq = seq
         self.slot = slot
         self.number = number
-        indices = stream.plan.batches[number]
+        # Sample indices, and which rows repeat a sample to pad the ranks even (order.py).
+        indices, self.padded = samples_at(stream.plan.batches[number], len(stream.plan.paths))
         self.indices = indices
         self.arrays = stream.plan.layout.views(stream.ring.slot(slot))
         self.failures: list[tuple[int, str]] = []
@@ -131,6 +133,8 @@ class Batch:
         self.arrays["index"][:rows] = kept
         if plan.labels is not None:
             self.arrays["label"][:rows] = plan.labels[kept]
+        if "padded" in self.arrays:
+            self.arrays["padded"][:rows] = self.padded[ok]
         if plan.transform and self._stream.finish_on_host and not self._stream.cancelled:
             slot = torch.from_numpy(self._stream.ring.slot(self.slot))
             plan.transform.finish_slot(plan.layout.views(slot), rows)

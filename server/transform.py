@@ -95,7 +95,9 @@ class OutputTransform:
         self.flip_probability = spec.flip_probability
         if not 0 <= spec.flip_probability <= 1:
             raise ValueError(f"output.flip_probability must be in [0, 1], got {spec.flip_probability}")
-        self.shorter_side = spec.shorter_side or round(max(self.height, self.width) * 8 / 7)
+        # torchvision's and timm's evaluation default: floor(size / 0.875), 256 for 224
+        # and 109 (not 110) for 96; 0.875 is 7 / 8, so integers say it exactly.
+        self.shorter_side = spec.shorter_side or max(self.height, self.width) * 8 // 7
         if self.resize == feed_pb2.RESIZE_SHORTER_CENTER_CROP and \
                 self.shorter_side < max(self.height, self.width):
             raise ValueError(f"output.shorter_side must be at least the output size, "

@@ -117,3 +117,18 @@ def test_bad_files_fail_alone_among_200_good(data_dir, image_names, odd_files):
         if ref is not None:
             want = np.asarray(ref.convert("RGB").resize(SIZE[::-1], Image.BILINEAR))
             assert psnr(got[100 + k].numpy(), want.transpose(2, 0, 1)) >= MIN_PSNR_DB, name
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_a_batch_whose_every_sample_failed_is_not_yielded(feed, transport):
+    """An empty batch gives a NaN loss: it is skipped, its failures listed, and the
+    position moves past it (the last batch of the pass included)."""
+    files = ["gone0.jpg", "gone1.jpg", "img0000.jpg", "img0001.jpg", "gone2.jpg", "gone3.jpg"]
+    loader = feed.loader(files=files, batch_size=2, size=(8, 8), transport=transport)
+    assert [batch["index"].tolist() for batch in loader] == [[2, 3]]
+    assert sorted(index for index, _ in loader.failures) == [0, 1, 4, 5]
+    state = loader.state_dict()
+    assert (state["epoch"], state["samples_consumed"]) == (1, 0)  # the pass ran to its end
+    # Resuming after the skipped batch gives the rest of the pass, no more.
+    loader.load_state_dict({**state, "epoch": 0, "samples_consumed": 2})
+    assert [batch["index"].tolist() for batch in loader] == [[2, 3]]

@@ -184,6 +184,45 @@ def test_active_streams_and_leased_slots_follow_an_open_stream(data_root):
         assert _value(_scrape(metrics), "gpufeed_slots_leased", transport="shm") == 0
 
 
+def test_each_stream_logs_one_line_at_open_and_end_and_refusals_are_counted(data_root):
+    from gpufeed.client import FeedError
+    from support import wait_until
+
+    with _metrics_server(data_root) as (server, metrics), FeedClient(server.address) as client:
+        got = _run_pass(client, data_root, "inline")
+        for bad in ({"files": _files(), "batch_size": 0}, {"files": "missing.flist",
+                                                            "batch_size": 2}):
+            with pytest.raises(FeedError):
+                list(client.loader(size=(8, 8), **bad))
+        assert wait_until(lambda: any("stream end:" in line for line in server.log))
+        text = _scrape(metrics)
+    log = "".join(server.log)
+    opened = re.findall(r"stream open: peer=ipv[46]:\S+ transport=inline samples=12 "
+                        r"batches=6 start_batch=0", log)
+    ended = re.findall(r"stream end: peer=ipv[46]:\S+ transport=inline samples=(\d+) "
+                       r"batches=(\d+) failures=(\d+) duration=[\d.]+s status=OK", log)
+    assert len(opened) == 1 and ended == [(str(got["samples"]), "6", "2")]
+    refused = re.findall(r"stream refused: peer=ipv[46]:\S+ status=(\w+): (.*)", log)
+    assert [(code, "batch_size" in why or "list_file" in why) for code, why in refused] == \
+        [("INVALID_ARGUMENT", True), ("NOT_FOUND", True)]
+    assert _value(text, "gpufeed_streams_refused_total", code="INVALID_ARGUMENT") == 1
+    assert _value(text, "gpufeed_streams_refused_total", code="NOT_FOUND") == 1
+    assert _value(text, "gpufeed_streams_refused_total", code="RESOURCE_EXHAUSTED") == 0
+
+
+def test_log_level_warning_keeps_only_refusals(data_root):
+    from gpufeed.client import FeedError
+
+    with ServerProcess(["--data-root", str(data_root), "--log-level", "warning"]) as server, \
+            FeedClient(server.address) as client:
+        with pytest.raises(FeedError):
+            list(client.loader(files=_files(), batch_size=0, size=(8, 8)))
+        assert len(list(client.loader(files=["0.jpg"], batch_size=1, size=(8, 8)))) == 1
+        server.stop()
+    log = "".join(server.log)
+    assert "stream refused:" in log and "stream open:" not in log and "stream end:" not in log
+
+
 def test_promtool_accepts_the_exposition(data_root):
     promtool = shutil.which("promtool")
     if promtool is None:

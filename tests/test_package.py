@@ -31,3 +31,40 @@ def test_client_imports_without_server_dependencies():
             "from gpufeed.client import FeedClient, FeedError, Loader\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_server_help_and_version():
+    import gpufeed
+
+    run = lambda *args: subprocess.run([sys.executable, "-m", "gpufeed.server", *args],  # noqa: E731
+                                       capture_output=True, text=True)
+    help_text = run("--help")
+    assert help_text.returncode == 0
+    assert "--log-level" in help_text.stdout and "--version" in help_text.stdout
+    assert "`" not in help_text.stdout  # plain text, not reST
+    version = run("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"gpufeed-server {gpufeed.__version__}"
+
+
+def test_client_only_install_says_what_the_server_needs(tmp_path):
+    """What the gpufeed-server entry point runs, where PyAV is not installed."""
+    code = ("import sys\n"
+            "sys.modules['av'] = None\n"
+            "from gpufeed.server.__main__ import main\n"
+            f"sys.exit(main(['--data-root', {str(tmp_path)!r}]))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "install gpufeed[server]" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_wheel_ships_py_typed(tmp_path):
+    """PEP 561: type checkers read the client's and server's annotations."""
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path), str(ROOT)], check=True)
+    (wheel,) = tmp_path.glob("gpufeed-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for package in ("gpufeed", "gpufeed/client", "gpufeed/server"):
+        assert f"{package}/py.typed" in names

@@ -224,3 +224,27 @@ def test_a_state_saved_at_the_end_of_an_epoch_resumes_at_the_next(feed, image_na
     restored.load_state_dict(state)
     assert restored.epoch == 1
     assert [i for b in restored for i in b["index"].tolist()] == epoch1
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_rank_gets_as_many_batches_and_repeats_are_marked(feed, image_names, shuffle):
+    """10 samples over 3 ranks: padded to 12 as DistributedSampler pads (repeating samples
+    from the start), so no rank has a batch more for DDP to wait on at the epoch's end."""
+    files = image_names[:10]
+    ranks = [_drain(feed.loader(files=files, batch_size=3, size=(8, 8), rank=rank,
+                                world_size=3, shuffle=shuffle, seed=1))
+             for rank in range(3)]
+    assert [len(batches) for batches in ranks] == [2, 2, 2]
+    index = torch.cat([b["index"] for batches in ranks for b in batches])
+    padded = torch.cat([b["padded"] for batches in ranks for b in batches])
+    assert padded.dtype == torch.bool
+    assert sorted(index[~padded].tolist()) == list(range(10))  # every sample once
+    assert sorted(index[padded].tolist()) == [0, 1]  # and the repeats, marked
+
+
+def test_padded_is_there_for_every_split_and_only_then(feed, image_names):
+    split = _drain(feed.loader(files=image_names[:12], batch_size=4, size=(8, 8), rank=1,
+                               world_size=3))
+    assert [b["padded"].tolist() for b in split] == [[False] * 4]
+    whole = _drain(feed.loader(files=image_names[:12], batch_size=4, size=(8, 8)))
+    assert all("padded" not in b for b in whole)

@@ -71,6 +71,19 @@ def test_centre_crop_matches_resize_then_centre_crop(feed, data_dir, image_names
             assert psnr(batch["image"][row].numpy(), _chw(ref)) >= MIN_PSNR_DB, image_names[i]
 
 
+def test_centre_crop_default_shorter_side_is_torchvision_and_timms(feed, image_names):
+    """Their evaluation resize is floor(size / 0.875): 109 for 96 (rounding would give 110).
+    Explicit shorter sides are checked against Pillow above; the default must be one of them."""
+    def images(**kwargs) -> torch.Tensor:
+        loader = feed.loader(files=image_names[:16], batch_size=16, size=(96, 96),
+                             resize="center_crop", **kwargs)
+        return torch.cat([b["image"].clone() for b in loader])
+
+    default = images()
+    assert torch.equal(default, images(shorter_side=109))
+    assert not torch.equal(default, images(shorter_side=110))
+
+
 def test_random_resized_crop_and_flip_match_the_reference(feed, data_dir, image_names):
     """The crop each sample gets is torchvision's box for its (seed, epoch, index), and its
     pixels are Pillow's resize of that region (the window's sub-pixel position included)."""
@@ -146,10 +159,10 @@ def test_labels_from_list_file_and_folders(feed, data_dir, image_names):
     assert [l for b in loader for l in b["label"].tolist()] == [i % 3 for i in range(9)]
 
     for folder in ("zebra", "ant"):
-        (data_dir / folder).mkdir(exist_ok=True)
-        (data_dir / folder / "x.jpg").write_bytes((data_dir / image_names[0]).read_bytes())
-    loader = feed.loader(files=["zebra/x.jpg", "ant/x.jpg", "zebra/x.jpg"], batch_size=3,
-                         size=(8, 8), labels="folder")
+        (data_dir / "zoo" / folder).mkdir(parents=True, exist_ok=True)
+        (data_dir / "zoo" / folder / "x.jpg").write_bytes((data_dir / image_names[0]).read_bytes())
+    loader = feed.loader(files=["zoo/zebra/x.jpg", "zoo/ant/x.jpg", "zoo/zebra/x.jpg"],
+                         batch_size=3, size=(8, 8), labels="folder")
     (batch,) = list(loader)
     assert loader.classes == ["ant", "zebra"]
     assert batch["label"].tolist() == [1, 0, 1]

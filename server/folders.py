@@ -1,0 +1,208 @@
+"""Directories as torchvision's ImageFolder sees them: the files under one, and classes.
+
+A directory named as samples stands for the image, video and array files under
+it, recursively, in ImageFolder's order: files directly in it first (sorted;
+ImageFolder would ignore them), then each subdirectory in sorted order, and
+within one the directories of ``os.walk`` sorted by path and their files by
+name. Symlinked directories are followed, as ImageFolder does, but only while
+they resolve under a data root and not back into a directory being walked;
+a symlinked file is listed and checked when read, as any file is.
+
+Folder labels (``LABELS_FROM_FOLDER``) number classes the way ImageFolder does,
+from the class folders on disk rather than from the samples a request happens
+to name, so a validation list missing a class keeps every label: the classes
+are the sorted subdirectories of the *dataset directory*. That is the
+directory named as samples (its files' class is their first folder below it);
+or, for a sample named as a file, the parent of the folder holding it (its
+class is that folder). Every sample must then have the same dataset directory;
+with explicit ``classes`` it need not, and the classes are those given. Either
+way a sample whose class folder is not a class is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .paths import DataRoots, OutsideDataRoots
+from .samples import is_sample_file
+
+__all__ = ["FolderError", "Listing", "SampleFiles", "folder_labels", "list_directory"]
+
+
+class FolderError(ValueError):
+    """A directory or class folder that cannot serve the request; the message names it."""
+
+    def __init__(self, message: str, not_found: bool = False):
+        super().__init__(message)
+        self.not_found = not_found
+
+
+class TooManyFiles(FolderError):
+    """A listing over the server's --max-samples."""
+
+
+@dataclass(frozen=True)
+class Listing:
+    """Samples ``start:stop`` are the files listed under ``directory`` (a located path)."""
+
+    start: int
+    stop: int
+    directory: str
+
+
+@dataclass
+class SampleFiles:
+    """A request's samples after directories are listed: names for messages, located paths."""
+
+    names: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    listings: list[Listing] = field(default_factory=list)
+
+
+def list_directory(directory: str, name: str, roots: DataRoots, limit: int) -> list[str]:
+    """The sample files under ``directory`` (located), in ImageFolder's order.
+
+    ``name`` is how the request named it, for messages. Raises OutsideDataRoots
+    for a directory (or a symlinked one under it) that resolves outside the
+    roots, FolderError for a symlink loop, an unreadable directory, or more than
+    ``limit`` files.
+    """
+    if roots.root_of(os.path.realpath(directory)) is None:
+        raise OutsideDataRoots(f"{name!r} resolves outside the data roots")
+    files, subdirs = [], []
+    for entry in _entries(directory, name):
+        if entry.is_dir():
+            subdirs.append(entry.name)
+        elif is_sample_file(entry.name):
+            files.append(os.path.join(directory, entry.name))
+    files.sort()
+    seen = {os.path.realpath(directory)}
+    for subdir in sorted(subdirs):
+        _check_limit(len(files), limit, name)
+        walked = _walk(os.path.join(directory, subdir), name, roots, seen, limit - len(files))
+        for parent, names in sorted(walked):
+            files.extend(os.path.join(parent, n) for n in sorted(names))
+    _check_limit(len(files), limit, name)
+    return files
+
+
+def _check_limit(count: int, limit: int, name: str) -> None:
+    if count > limit:
+        raise TooManyFiles(f"{name!r} holds more than {limit} sample files (the server's "
+                           f"--max-samples, less the samples before it)")
+
+
+def _entries(directory: str, name: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except OSError as e:
+        raise FolderError(f"cannot list {name!r}: {e.strerror or e}") from None
+
+
+def _walk(top: str, name: str, roots: DataRoots, seen: set[str], limit: int
+          ) -> list[tuple[str, list[str]]]:
+    """(directory, sample file names) for every directory under ``top``, ``top`` included.
+
+    ``seen`` holds the real paths already walked: reaching one again (a symlink
+    loop, or two links to one directory) is refused rather than listed twice.
+    More than ``limit`` files stop the walk (TooManyFiles).
+    """
+    found, count = [], 0
+
+    def fail(error: OSError) -> None:
+        raise FolderError(f"cannot list {_shown(error.filename, roots)!r} under {name!r}: "
+                          f"{error.strerror or error}")
+
+    for parent, _, files in os.walk(top, onerror=fail, followlinks=True):
+        real = os.path.realpath(parent)
+        if roots.root_of(real) is None:
+            raise OutsideDataRoots(f"{_shown(parent, roots)!r} (under {name!r}) resolves "
+                                   f"outside the data roots")
+        if real in seen:
+            raise FolderError(f"{_shown(parent, roots)!r} (under {name!r}) is a directory "
+                              f"listed already (a symlink loop, or a second link to it)")
+        seen.add(real)
+        found.append((parent, [f for f in files if is_sample_file(f)]))
+        count += len(found[-1][1])
+        _check_limit(count, limit, name)
+    return found
+
+
+def folder_labels(samples: SampleFiles, classes: list[str], roots: DataRoots
+                  ) -> tuple[np.ndarray, list[str]]:
+    """Each sample's label (its class folder's number) and the classes; see the module doc.
+
+    Raises FolderError naming the first sample or directory at fault.
+    """
+    if len(set(classes)) != len(classes) or not all(classes):
+        raise FolderError("classes: class names must be distinct and non-empty")
+    folders, datasets = _class_folders(samples, roots)
+    if not classes:
+        found = sorted(set(datasets))
+        if len(found) > 1:
+            first = datasets.index(found[0])
+            other = datasets.index(found[1])
+            raise FolderError(
+                f"label_source: LABELS_FROM_FOLDER: samples[{first}] "
+                f"({samples.names[first]!r}) and samples[{other}] ({samples.names[other]!r}) "
+                f"are in different dataset directories ({_shown(found[0], roots)!r} and "
+                f"{_shown(found[1], roots)!r}); give the classes explicitly")
+        classes = _subdirectories(found[0], samples.names[0], roots)
+    number = {name: i for i, name in enumerate(classes)}
+    labels = np.empty(len(folders), dtype=np.int64)
+    for i, folder in enumerate(folders):
+        label = number.get(folder)
+        if label is None:
+            shown = ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else "")
+            raise FolderError(f"label_source: LABELS_FROM_FOLDER: samples[{i}] "
+                              f"({samples.names[i]!r}) is in folder {folder!r}, which is not "
+                              f"a class (classes: {shown})")
+        labels[i] = label
+    return labels, list(classes)
+
+
+def _class_folders(samples: SampleFiles, roots: DataRoots) -> tuple[list[str], list[str]]:
+    """Each sample's class folder name and dataset directory (located)."""
+    folders, datasets = [], []
+    listed = iter(samples.listings)
+    listing = next(listed, None)
+    for i, path in enumerate(samples.paths):
+        while listing is not None and i >= listing.stop:
+            listing = next(listed, None)
+        if listing is not None and listing.start <= i:
+            below = os.path.relpath(path, listing.directory)
+            folder, sep, _ = below.partition("/")
+            dataset = listing.directory
+        else:
+            parent = os.path.dirname(path)
+            folder, dataset = os.path.basename(parent), os.path.dirname(parent)
+            sep = "/" if roots.root_of(dataset) is not None else ""
+        if not sep:
+            raise FolderError(f"label_source: LABELS_FROM_FOLDER: samples[{i}] "
+                              f"({samples.names[i]!r}) is not in a class folder under a "
+                              f"dataset directory")
+        folders.append(folder)
+        datasets.append(dataset)
+    return folders, datasets
+
+
+def _subdirectories(dataset: str, example: str, roots: DataRoots) -> list[str]:
+    """ImageFolder's classes: the sorted names of the directories in ``dataset``."""
+    shown = _shown(dataset, roots)
+    if roots.root_of(os.path.realpath(dataset)) is None:
+        raise OutsideDataRoots(f"the dataset directory {shown!r} resolves outside the data roots")
+    if not os.path.isdir(dataset):
+        raise FolderError(f"label_source: LABELS_FROM_FOLDER: the dataset directory {shown!r} "
+                          f"(of {example!r}) is not a directory on the server", not_found=True)
+    return sorted(entry.name for entry in _entries(dataset, shown) if entry.is_dir())
+
+
+def _shown(path: str, roots: DataRoots) -> str:
+    """A located path as a request would name it: relative to its data root."""
+    root = roots.root_of(path)
+    return posixpath.relpath(path, root) if root else path
