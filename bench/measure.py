@@ -1,13 +1,24 @@
 """Counting delivered images and what they cost, the same way for every row.
 
-A ``Meter`` sees every batch a trainer receives. The first ``warmup`` batches
-start the clock (process start-up, worker spawn and import time are not
-throughput); images/s and CPU are taken over the batches after them.
+A ``Meter`` sees every batch a trainer receives. The clock starts at the last
+of the ``warmup`` batches and stops at the last batch received: that window is
+the steady state, and images/s and CPU are taken over the batches inside it.
+What comes before (process start-up, imports, spawning workers or a server,
+the first batches) and after (the iterator noticing the end of the sequence,
+workers and servers shutting down) is not throughput; it is reported apart,
+as ``startup_seconds`` and ``teardown_seconds``. TensorFlow, for one, can
+stall for seconds at the end of a sequence: timed up to the iterator's end, a
+tf.data row of 4000 images read a third slower than its own progress lines.
+
+While the clock runs the meter logs a progress line about once a second (the
+images/s since the clock started, from the same clock and the same start as
+the final figure), so a result that looks wrong can be checked against the
+row's own history; the lines are kept in the result too.
 
 CPU is the CPU time of this process and all of its descendants (decode
 threads, DataLoader workers, the gpufeed server, the tf.data service), read
-from /proc. That counts everything a row spends, wherever it runs, and
-nothing another program on the machine spends.
+from /proc at the window's two ends. That counts everything a row spends,
+wherever it runs, and nothing another program on the machine spends.
 """
 
 from __future__ import annotations
@@ -16,17 +27,23 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from dataclasses import asdict, dataclass
 
-__all__ = ["Meter", "Result", "tree_cpu_seconds"]
+__all__ = ["Meter", "Result", "TreeCpu", "tree_cpu_seconds", "write_report"]
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 @dataclass
 class Result:
-    """One row of the table; ``images`` counts every image delivered, warm-up included."""
+    """One row of the table; ``images`` counts every image delivered, warm-up included.
+
+    ``seconds`` and ``cpu_seconds`` are the steady-state window's; ``startup_seconds``
+    runs from the row's start to its first batch, ``teardown_seconds`` from its last
+    batch to the row's end, of which ``end_of_sequence_seconds`` until the loader said
+    it had no more. ``progress`` holds the progress lines as (seconds, images, images/s).
+    """
 
     name: str
     images: int
@@ -35,6 +52,10 @@ class Result:
     seconds: float
     cpu_seconds: float
     note: str = ""
+    startup_seconds: float | None = None
+    end_of_sequence_seconds: float | None = None
+    teardown_seconds: float | None = None
+    progress: list[tuple[float, int, float]] = field(default_factory=list)
 
     @property
     def images_per_second(self) -> float:
@@ -50,78 +71,144 @@ class Result:
 
 
 class Meter:
-    """``meter.batch(n)`` after each batch; ``meter.result(...)`` at the end."""
+    """``meter.batch(n)`` after each batch, ``meter.stop()`` when the loader is exhausted,
+    ``meter.result(...)`` when the row has shut everything down.
+
+    Times are ``time.monotonic()`` (CLOCK_MONOTONIC), comparable with the stamps
+    trainer processes print.
+    """
 
     def __init__(self, name: str, expected: int, *, warmup: int = 3, log=None):
         self.name = name
         self.expected = expected
-        self.warmup = warmup
+        self.warmup = max(1, warmup)  # the clock starts at a batch, never before the first
         self.images = 0
         self._batches = 0
-        self._start: tuple[float, float, int] | None = None
-        self._end: tuple[float, float, int] | None = None
+        self._born = time.monotonic()
+        self._cpu = TreeCpu()
+        self._first: float | None = None
+        self._start: tuple[float, float, int] | None = None  # (time, CPU s, images)
+        self._last: tuple[float, float, int] | None = None
+        self._exhausted: float | None = None
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._next_report = 0.0
+        self._progress: list[tuple[float, int, float]] = []
 
     def batch(self, size: int) -> None:
+        now = time.monotonic()
         self.images += size
         self._batches += 1
-        now = time.perf_counter()
+        if self._first is None:
+            self._first = now
+        if self._batches < self.warmup:
+            return
+        point = (now, self._cpu(), self.images)
         if self._batches == self.warmup:
-            self._start = (now, tree_cpu_seconds(), self.images)
+            self._start = self._last = point
             self._next_report = now + 1.0
-        elif self._start and now >= self._next_report:
+            return
+        self._last = point
+        if now >= self._next_report:
             self._next_report = now + 1.0
-            t0, _, n0 = self._start
+            seconds, images = now - self._start[0], self.images - self._start[2]
+            rate = images / seconds
+            self._progress.append((round(seconds, 3), images, round(rate, 1)))
             self._log(f"    {self.name}: {self.images}/{self.expected} images, "
-                      f"{(self.images - n0) / (now - t0):.0f} img/s")
+                      f"{rate:.0f} img/s over {seconds:.1f} s")
 
     def stop(self) -> None:
-        """Read the clock before the loader shuts down (workers exiting is not throughput)."""
-        if self._end is None:
-            self._end = (time.perf_counter(), tree_cpu_seconds(), self.images)
+        """The loader is exhausted: the end of its sequence has been noticed."""
+        if self._exhausted is None:
+            self._exhausted = time.monotonic()
 
     def window(self, start: tuple[float, float, int], end: tuple[float, float, int]) -> None:
-        """Set the measured window directly, as (time, CPU s, images) at its start and end.
+        """Set the measured window directly, as (monotonic time, CPU s, images) at its ends.
 
         For rows whose batches arrive in other processes (several trainers): they
         decide the window themselves and count ``images`` as batches arrive.
         """
-        self._start, self._end = start, end
+        self._start, self._last = start, end
+        self._first = self._first or start[0]
 
     def result(self, note: str = "") -> Result:
+        finished = time.monotonic()
         self.stop()
-        if self._start is None:  # fewer batches than the warm-up: time nothing
+        if self._start is None or self._last is None:  # fewer batches than the warm-up
             return Result(self.name, self.images, self.expected, 0, 0.0, 0.0, note)
-        (t0, c0, n0), (t1, c1, n1) = self._start, self._end
-        return Result(self.name, self.images, self.expected, n1 - n0, t1 - t0, c1 - c0, note)
+        (t0, c0, n0), (t1, c1, n1) = self._start, self._last
+        if self._progress or n1 > n0:
+            self._log(f"    {self.name}: steady state {n1 - n0} images in {t1 - t0:.2f} s, "
+                      f"{(n1 - n0) / (t1 - t0) if t1 > t0 else 0:.0f} img/s")
+        return Result(self.name, self.images, self.expected, n1 - n0, t1 - t0, c1 - c0, note,
+                      startup_seconds=self._first - self._born,
+                      end_of_sequence_seconds=max(0.0, self._exhausted - t1),
+                      teardown_seconds=max(0.0, finished - t1),
+                      progress=self._progress)
+
+
+class TreeCpu:
+    """User + system CPU seconds of a process tree, cheap enough to read at every batch.
+
+    Walking all of /proc costs milliseconds on a busy host, so the tree's members
+    are found again at most once per ``rescan`` seconds, and each call reads
+    only their own stat files. A member that has exited keeps the CPU it had
+    when last read (its parent's "children" counters are not read, so nothing
+    is counted twice).
+    """
+
+    def __init__(self, root: int | None = None, rescan: float = 1.0):
+        self.root = os.getpid() if root is None else root
+        self.rescan = rescan
+        self._members: list[int] = []
+        self._found = float("-inf")
+        self._seconds: dict[int, float] = {}  # pid -> CPU s when last read
+
+    def __call__(self) -> float:
+        now = time.monotonic()
+        if now - self._found >= self.rescan:
+            self._members, self._found = list(_tree(self.root)), now
+        for pid in self._members:
+            stat = _stat(pid)
+            if stat is not None:
+                self._seconds[pid] = stat[1]
+        return sum(self._seconds.values())
 
 
 def tree_cpu_seconds(root: int | None = None) -> float:
     """User + system CPU seconds of ``root`` (default: this process) and its descendants."""
-    root = os.getpid() if root is None else root
+    return sum(_tree(os.getpid() if root is None else root).values())
+
+
+def _tree(root: int) -> dict[int, float]:
+    """CPU seconds of ``root`` and each of its descendants, by pid (one walk of /proc)."""
     stats: dict[int, tuple[int, float]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                raw = f.read().decode()
-        except OSError:
-            continue  # gone meanwhile
-        fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
-        # fields[1] is ppid; fields[11], fields[12] are utime, stime (stat fields 14, 15).
-        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS)
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None:
+                stats[int(entry)] = stat
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in stats.items():
         children.setdefault(ppid, []).append(pid)
-    total, todo = 0.0, [root]
+    found, todo = {}, [root]
     while todo:
         pid = todo.pop()
         if pid in stats:
-            total += stats[pid][1]
+            found[pid] = stats[pid][1]
         todo.extend(children.get(pid, ()))
-    return total
+    return found
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of ``pid``, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
+    # fields[1] is ppid; fields[11], fields[12] are utime, stime (stat fields 14, 15).
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def write_report(report: dict, out: Path, name: str, latest: str) -> Path:

@@ -22,14 +22,22 @@ from pathlib import Path
 
 from . import arrays, dataset
 from .accuracy import decoder_psnr
+from .jobs import JOBS
 from .measure import write_report
 from .worker import ROWS, Config, group
 
 __all__ = ["main"]
 
 _HERE = Path(__file__).resolve().parent
-_REFERENCE = "gpufeed-shm"  # the row every other row is compared with
-_PACKAGES = ("av", "torch", "pillow", "grpcio", "spdl", "tensorflow-cpu", "numpy")
+# Per job, gpufeed's row: every other row of the job is compared with it.
+_REFERENCES = {"squash": "gpufeed-shm", "train-u8": "gpufeed-shm-rrc-u8",
+               "train-f16": "gpufeed-shm-rrc", "eval": "gpufeed-shm-eval"}
+# Issue 12's targets: gpufeed's images/s at least this many times the row's. And in
+# every job, gpufeed's CPU per image at or below the best peer's.
+_TARGETS = {"tf": 1.1, "tf-rrc-u8": 1.3, "dali-rrc-u8": 1.5, "tf-rrc": 1.3, "dali-rrc": 1.5,
+            "tf-eval": 1.2}
+_PACKAGES = ("av", "torch", "pillow", "grpcio", "spdl", "tensorflow-cpu", "nvidia-dali-cuda120",
+             "numpy")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -151,18 +159,31 @@ def _best(runs: list[dict]) -> dict:
     ok = [r for r in runs if r["status"] == "ok"]
     best = dict(max(ok, key=lambda r: r["images_per_second"]) if ok else runs[-1])
     best["rounds"] = [{k: r.get(k) for k in ("status", "images_per_second", "cpu_seconds_per_1000",
+                                             "startup_seconds", "teardown_seconds",
                                              "load_average_after")}
                       for r in runs]
     return best
 
 
 def _summary(result: dict) -> str:
+    """The row's figures in one line, next to its progress lines (the same clock and start)."""
     if result["status"] != "ok":
         return f"{result['status']}: {result['note']}"
-    return (f"{result['images_per_second']:.0f} img/s, "
+    line = (f"{result['images_per_second']:.0f} img/s steady over {result['seconds']:.1f} s, "
             f"{result['cpu_seconds_per_1000']:.2f} CPU s / 1000 images "
-            f"({result['images']}/{result['expected']} images delivered; "
-            f"row took {result['row_seconds']:.1f} s)")
+            f"({result['images']}/{result['expected']} images delivered; row took "
+            f"{result['row_seconds']:.1f} s")
+    if result.get("startup_seconds") is not None:
+        line += (f": start-up {result['startup_seconds']:.1f} s, teardown "
+                 f"{result['teardown_seconds']:.1f} s of which "
+                 f"{result['end_of_sequence_seconds']:.1f} s to the end of sequence")
+    line += ")"
+    rates = [rate for _, _, rate in result.get("progress", [])]
+    if rates:
+        line += f"; progress lines {min(rates):.0f}-{max(rates):.0f} img/s"
+        if not min(rates) * 0.9 <= result["images_per_second"] <= max(rates) * 1.1:
+            line += " -- CHECK: the summary is outside its own progress lines"
+    return line
 
 
 def _overhead(results: list[dict], batch_size: int) -> dict:
@@ -203,23 +224,75 @@ def format_table(report: dict) -> str:
 
 
 def _images_table(rows: list[dict], report: dict) -> str:
-    ref = next((r for r in rows if r["row"] == _REFERENCE and r["status"] == "ok"), None)
-    lines = ["| row | images/s | CPU s / 1000 images | gpufeed shm speed-up | delivered | note |",
-             "|---|---:|---:|---:|---:|---|"]
+    """One table per job, each row against gpufeed's row of the same job, then the targets."""
+    parts = []
+    for job, title in JOBS.items():
+        in_job = [r for r in rows if ROWS[r["row"]].job == job]
+        if in_job:
+            parts.append(_job_table(job, title, in_job, report))
+    return "\n\n".join(parts)
+
+
+def _job_table(job: str, title: str, rows: list[dict], report: dict) -> str:
+    ref = next((r for r in rows if r["row"] == _REFERENCES[job] and _timed(r)), None)
+    lines = [f"{title}:", "",
+             "| row | images/s | CPU s / 1000 images | gpufeed images/s ÷ row's | "
+             "gpufeed CPU ÷ row's | start-up s | teardown s | delivered | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['label']} | – | – | – | – | {r['status']}: {r['note']} |")
+            lines.append(f"| {r['label']} | – | – | – | – | – | – | – | "
+                         f"{r['status']}: {r['note']} |")
             continue
-        speedup = (f"{ref['images_per_second'] / r['images_per_second']:.2f}x"
-                   if ref and r["images_per_second"] else "–")
+        speed = _ratio(ref, r, "images_per_second") if ref else "–"
+        cpu = _ratio(ref, r, "cpu_seconds_per_1000") if ref else "–"
         lines.append(f"| {r['label']} | {r['images_per_second']:.0f} | "
-                     f"{r['cpu_seconds_per_1000']:.2f} | {speedup} | "
+                     f"{r['cpu_seconds_per_1000']:.2f} | {speed} | {cpu} | "
+                     f"{_seconds(r.get('startup_seconds'))} | "
+                     f"{_seconds(r.get('teardown_seconds'))} | "
                      f"{r['images']}/{r['expected']} | {r['note']} |")
-    for row, o in report.get("server_overhead", {}).items():
-        lines.append(f"\n{row}: {100 * o['fraction_of_ceiling']:.0f}% of the ceiling; the service "
-                     f"adds {o['wall_ms_per_batch']:.1f} ms wall and {o['cpu_ms_per_batch']:.1f} ms "
-                     f"CPU per batch")
+    if ref:
+        lines.extend(_targets(ref, rows))
+    if job == "squash":
+        for row, o in report.get("server_overhead", {}).items():
+            lines.append(f"{row}: {100 * o['fraction_of_ceiling']:.0f}% of the ceiling; the "
+                         f"service adds {o['wall_ms_per_batch']:.1f} ms wall and "
+                         f"{o['cpu_ms_per_batch']:.1f} ms CPU per batch")
     return "\n".join(lines)
+
+
+def _targets(ref: dict, rows: list[dict]) -> list[str]:
+    """Issue 12's targets for this job: met, or missed by how much."""
+    lines = []
+    for r in rows:
+        want = _TARGETS.get(r["row"])
+        if want and _timed(r):
+            got = ref["images_per_second"] / r["images_per_second"]
+            verdict = ("met" if got >= want else
+                       f"missed: gpufeed needs {want * r['images_per_second']:.0f} img/s, "
+                       f"{100 * (want / got - 1):.0f}% more than it has")
+            lines.append(f"target: gpufeed >= {want}x {r['label']}: {got:.2f}x, {verdict}")
+    peers = [r for r in rows if _timed(r) and not r["row"].startswith(("gpufeed", "ceiling"))]
+    if peers:
+        best = min(peers, key=lambda r: r["cpu_seconds_per_1000"])
+        mine, theirs = ref["cpu_seconds_per_1000"], best["cpu_seconds_per_1000"]
+        verdict = ("met" if mine <= theirs else
+                   f"missed by {100 * (mine / theirs - 1):.0f}%" if theirs else "missed")
+        lines.append(f"target: gpufeed's CPU s / 1000 images at or below the best peer's "
+                     f"({best['label']}): {mine:.2f} vs {theirs:.2f}, {verdict}")
+    return [""] + lines if lines else []
+
+
+def _timed(r: dict) -> bool:
+    return r["status"] == "ok" and r["images_per_second"] > 0
+
+
+def _ratio(ref: dict, r: dict, key: str) -> str:
+    return f"{ref[key] / r[key]:.2f}x" if r[key] else "–"
+
+
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
 
 
 def _trainers_table(rows: list[dict]) -> str:

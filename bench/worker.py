@@ -7,15 +7,17 @@ result is the last line of stdout, as JSON (nothing is pickled).
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from .measure import Meter
 from .peers import Unavailable
 
-__all__ = ["ROWS", "Config", "group"]
+__all__ = ["ROWS", "Config", "Row", "group"]
 
 
 @dataclass
@@ -42,15 +44,23 @@ class Config:
         return len(self.names) * self.passes
 
 
+class Row(NamedTuple):
+    """A row of the table: its label, what runs it, and the job it does (image rows only)."""
+
+    label: str
+    runner: Callable
+    job: str = ""
+
+
 def _ceiling(c, m):
     from .peers import ceiling
     return ceiling.run(c, m)
 
 
-def _gpufeed(transport, **options):
+def _peer(module: str, job: str, *args):
+    """A runner calling ``bench.peers.<module>.run(config, meter, job, *args)``."""
     def run(c, m):
-        from .peers import gpufeed
-        return gpufeed.run(c, m, transport, **options)
+        return importlib.import_module(f"{__package__}.peers.{module}").run(c, m, job, *args)
     return run
 
 
@@ -72,57 +82,68 @@ def _arrays(fmt, how, workers=0):
     return run
 
 
-# Training augmentation as the issue states it: torchvision's ImageNet recipe.
-_RRC = dict(resize="random_resized_crop", flip=0.5, dtype="float16",
-            mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
-
-
-def _torch(workers):
-    def run(c, m):
-        from .peers import torch_loader
-        return torch_loader.run(c, m, workers)
-    return run
-
-
 def _spdl(c, m):
     from .peers import spdl_pipeline
     return spdl_pipeline.run(c, m)
 
 
-def _tf(service):
-    def run(c, m):
-        from .peers import tfdata
-        return tfdata.run(c, m, service)
-    return run
-
-
-# Row id -> (label in the table, runner). Imports stay inside the runners so a
-# row pays only for its own packages.
+# Row id -> Row. Imports stay inside the runners so a row pays only for its own
+# packages. The image rows come in jobs (bench.jobs), one table each in bench.run.
 ROWS = {
-    "ceiling": ("gpufeed decoder ceiling (threads, no service)", _ceiling),
-    "gpufeed-shm": ("gpufeed -> trainer process, shm", _gpufeed("shm")),
-    "gpufeed-inline": ("gpufeed -> trainer process, inline", _gpufeed("inline")),
-    "gpufeed-shm-rrc": ("gpufeed -> trainer process, shm, random-resized-crop + flip + "
-                        "normalize, float16", _gpufeed("shm", **_RRC)),
-    # The same crops and flips with uint8 out: what the crop costs apart from the normalize.
-    "gpufeed-shm-rrc-u8": ("gpufeed -> trainer process, shm, random-resized-crop + flip, uint8",
-                           _gpufeed("shm", resize="random_resized_crop", flip=0.5)),
-    "torch-2": ("torch DataLoader, 2 workers (Pillow)", _torch(2)),
-    "torch-4": ("torch DataLoader, 4 workers (Pillow)", _torch(4)),
-    "spdl": ("SPDL pipeline", _spdl),
-    "tf": ("tf.data, in-process", _tf(False)),
-    "tf-service": ("tf.data service -> trainer process", _tf(True)),
+    # squash: the whole image to 224x224, uint8
+    "ceiling": Row("gpufeed decoder ceiling (threads, no service)", _ceiling, "squash"),
+    "gpufeed-shm": Row("gpufeed -> trainer process, shm", _peer("gpufeed", "squash", "shm"),
+                       "squash"),
+    "gpufeed-inline": Row("gpufeed -> trainer process, inline",
+                          _peer("gpufeed", "squash", "inline"), "squash"),
+    "torch-2": Row("torch DataLoader, 2 workers (Pillow)", _peer("torch_loader", "squash", 2),
+                   "squash"),
+    "torch-4": Row("torch DataLoader, 4 workers (Pillow)", _peer("torch_loader", "squash", 4),
+                   "squash"),
+    "spdl": Row("SPDL pipeline", _spdl, "squash"),
+    "tf": Row("tf.data, in-process", _peer("tfdata", "squash"), "squash"),
+    "tf-service": Row("tf.data service -> trainer process", _peer("tfdata", "squash", True),
+                      "squash"),
+    "dali": Row("DALI, CPU only (decoders.image + resize)", _peer("dali", "squash"), "squash"),
+    # training: random-resized-crop + flip, uint8
+    "gpufeed-shm-rrc-u8": Row("gpufeed -> trainer process, shm, random-resized-crop + flip",
+                              _peer("gpufeed", "train-u8", "shm"), "train-u8"),
+    "torch-2-rrc-u8": Row("torch DataLoader, 2 workers (Pillow RandomResizedCrop + flip)",
+                          _peer("torch_loader", "train-u8", 2), "train-u8"),
+    "tf-rrc-u8": Row("tf.data, in-process (decode_and_crop_jpeg + flip)",
+                     _peer("tfdata", "train-u8"), "train-u8"),
+    "dali-rrc-u8": Row("DALI, CPU only (decoders.image_random_crop + resize + flip)",
+                       _peer("dali", "train-u8"), "train-u8"),
+    # training: the same, normalised, float16 (torchvision's ImageNet recipe)
+    "gpufeed-shm-rrc": Row("gpufeed -> trainer process, shm, random-resized-crop + flip + "
+                           "normalize, float16", _peer("gpufeed", "train-f16", "shm"),
+                           "train-f16"),
+    "torch-2-rrc": Row("torch DataLoader, 2 workers (Pillow RandomResizedCrop + flip + "
+                       "normalize)", _peer("torch_loader", "train-f16", 2), "train-f16"),
+    "tf-rrc": Row("tf.data, in-process (decode_and_crop_jpeg + flip + normalize)",
+                  _peer("tfdata", "train-f16"), "train-f16"),
+    "dali-rrc": Row("DALI, CPU only (decoders.image_random_crop + resize + "
+                    "crop_mirror_normalize)", _peer("dali", "train-f16"), "train-f16"),
+    # evaluation: shorter side 256, centre 224, uint8
+    "gpufeed-shm-eval": Row("gpufeed -> trainer process, shm, center_crop (shorter side 256)",
+                            _peer("gpufeed", "eval", "shm"), "eval"),
+    "torch-2-eval": Row("torch DataLoader, 2 workers (Pillow centre box + resize)",
+                        _peer("torch_loader", "eval", 2), "eval"),
+    "tf-eval": Row("tf.data, in-process (decode_and_crop_jpeg of the centre box)",
+                   _peer("tfdata", "eval"), "eval"),
+    "dali-eval": Row("DALI, CPU only (decoders.image + resize shorter + crop)",
+                     _peer("dali", "eval"), "eval"),
     # Several trainer processes on one server (issue 8): aggregate over all of them.
-    "trainers-1": ("gpufeed shm, 1 trainer process", _trainers(1)),
-    "trainers-2": ("gpufeed shm, 2 concurrent trainer processes", _trainers(2)),
-    "trainers-4": ("gpufeed shm, 4 concurrent trainer processes", _trainers(4)),
+    "trainers-1": Row("gpufeed shm, 1 trainer process", _trainers(1)),
+    "trainers-2": Row("gpufeed shm, 2 concurrent trainer processes", _trainers(2)),
+    "trainers-4": Row("gpufeed shm, 4 concurrent trainer processes", _trainers(4)),
     # Pre-computed arrays (issue 7), on the bench.arrays set rather than the JPEGs.
-    "npy-gpufeed": (".npy: gpufeed -> trainer process, shm", _arrays("npy", "gpufeed")),
-    "npy-numpy": (".npy: numpy.load in a thread pool", _arrays("npy", "numpy")),
-    "npy-torch-2": (".npy: torch DataLoader, 2 workers", _arrays("npy", "torch", 2)),
-    "npz-gpufeed": (".npz: gpufeed -> trainer process, shm", _arrays("npz", "gpufeed")),
-    "npz-numpy": (".npz: numpy.load in a thread pool", _arrays("npz", "numpy")),
-    "npz-torch-2": (".npz: torch DataLoader, 2 workers", _arrays("npz", "torch", 2)),
+    "npy-gpufeed": Row(".npy: gpufeed -> trainer process, shm", _arrays("npy", "gpufeed")),
+    "npy-numpy": Row(".npy: numpy.load in a thread pool", _arrays("npy", "numpy")),
+    "npy-torch-2": Row(".npy: torch DataLoader, 2 workers", _arrays("npy", "torch", 2)),
+    "npz-gpufeed": Row(".npz: gpufeed -> trainer process, shm", _arrays("npz", "gpufeed")),
+    "npz-numpy": Row(".npz: numpy.load in a thread pool", _arrays("npz", "numpy")),
+    "npz-torch-2": Row(".npz: torch DataLoader, 2 workers", _arrays("npz", "torch", 2)),
 }
 
 
@@ -138,7 +159,7 @@ def group(row: str) -> str:
 def main(argv: list[str]) -> int:
     row, raw = argv
     config = Config(**json.loads(raw))
-    label, runner = ROWS[row]
+    label, runner, _ = ROWS[row]
     meter = Meter(row, config.expected, warmup=config.warmup)
     try:
         returned = runner(config, meter)

@@ -3,9 +3,11 @@
 The server is started with ``ServerProcess`` on the data set's folder (one
 decode thread per core). In ``run`` this process is the trainer, reading the
 list file over ``shm`` (zero-copy views of the server's slot ring) or
-``inline`` (the bytes inside the gRPC messages), with the output options a
-row asks for (e.g. random-resized-crop + flip + normalize to float16). Each
-pass over the files is one stream.
+``inline`` (the bytes inside the gRPC messages), with the loader options of
+the row's job (``bench.jobs``): squash; ``resize="random_resized_crop"`` with
+the recipe's scale and ratio, ``flip=0.5``, uint8 or float16 normalised; or
+``resize="center_crop"`` with the evaluation's shorter side. Each pass over
+the files is one stream.
 
 ``run_trainers`` starts ``count`` trainer processes (``bench.trainer``), each
 with its own loader over the same files, over shm, on one server, and
@@ -21,24 +23,37 @@ from __future__ import annotations
 import threading
 import time
 
+from .. import jobs
 from ..trainer import TrainerProcess
 
 
-def run(config, meter, transport: str, **options) -> str:
+def _options(job: str, size: tuple[int, int]) -> dict:
+    """The loader options that make gpufeed do ``job``."""
+    if job == "squash":
+        return {}
+    if job == "eval":
+        return dict(resize="center_crop", shorter_side=jobs.shorter_side(size))
+    crop = dict(resize="random_resized_crop", scale=jobs.SCALE, ratio=jobs.RATIO, flip=jobs.FLIP)
+    if job == "train-f16":
+        crop.update(dtype="float16", mean=jobs.MEAN, std=jobs.STD)
+    return crop
+
+
+def run(config, meter, job: str, transport: str) -> str:
     from gpufeed.client import FeedClient
     from gpufeed.server.process import ServerProcess
 
+    size = tuple(config.size)
     args = ["--data-root", config.root, "--threads", str(config.threads)]
     with ServerProcess(args) as server, FeedClient(server.address) as feed:
         loader = feed.loader(files=config.list_file, batch_size=config.batch_size,
-                             size=tuple(config.size), transport=transport, **options)
-        dtype = options.get("dtype", "uint8")
+                             size=size, transport=transport, **_options(job, size))
         for epoch in range(config.passes):
             loader.set_epoch(epoch)
             for batch in loader:
                 image = batch["image"]
-                if str(image.dtype) != f"torch.{dtype}":  # the row measures what it says
-                    raise RuntimeError(f"asked for {dtype}, got {image.dtype}")
+                if meter.images == 0:
+                    jobs.check_batch(image.shape, image.dtype, size, job)
                 meter.batch(int(image.shape[0]))
         meter.stop()
         if loader.transport != transport:

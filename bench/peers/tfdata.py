@@ -1,12 +1,24 @@
 """tf.data: in this process, and through the tf.data service to this process.
 
-The map function reads a file, decodes it with ``tf.io.decode_jpeg`` and
-resizes it with ``tf.image.resize`` (bilinear, TensorFlow's default), cast to
-uint8 like gpufeed's output; ``num_parallel_calls`` is the core count, then
-batch and prefetch. For the service row, a child process runs a dispatcher
-and one worker (which does the decoding) and this process reads the batches
-through ``tf.data.experimental.service.distribute``: the same split as
-gpufeed's server and trainer.
+Each job is written the way TensorFlow's own ImageNet input pipelines write it,
+one map function per image, ``num_parallel_calls`` = the core count, then
+batch and prefetch:
+
+- squash: ``read_file -> decode_jpeg -> image.resize`` (bilinear, TensorFlow's
+  default, no antialiasing) -> uint8.
+- training: ``extract_jpeg_shape -> sample_distorted_bounding_box`` (area and
+  aspect ranges of ``bench.jobs``, 10 attempts, else the whole image) ->
+  ``decode_and_crop_jpeg``, which decodes only the crop's scanlines ->
+  ``image.resize`` -> ``random_flip_left_right`` -> uint8, or float16
+  normalised.
+- evaluation: ``decode_and_crop_jpeg`` of the centre box that a shorter side
+  of 256 and a centre 224 keep (``bench.jobs.centre_box``) -> ``image.resize``.
+
+Batches come out NHWC, TensorFlow's layout. For the service row (squash), a
+child process runs a dispatcher and one worker (which does the decoding) and
+this process reads the batches through
+``tf.data.experimental.service.distribute``: the same split as gpufeed's
+server and trainer.
 
 ``python -m bench.peers.tfdata serve`` is that child: it prints the
 dispatcher's address and serves until its standard input closes.
@@ -18,6 +30,7 @@ import os
 import subprocess
 import sys
 
+from .. import jobs
 from . import Unavailable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -32,27 +45,61 @@ def _tf():
     return tf
 
 
-def _dataset(tf, config):
-    height, width = config.size
+def _load(tf, job: str, size: tuple[int, int]):
+    """The map function: a file's path -> one image of the job's output."""
+    height, width = size
+    out_dtype = tf.float16 if job == "train-f16" else tf.uint8
+    whole = tf.constant([0.0, 0.0, 1.0, 1.0], tf.float32, shape=[1, 1, 4])
+    mean = tf.constant(jobs.MEAN, tf.float32) * 255
+    std = tf.constant(jobs.STD, tf.float32) * 255
+
+    def squash(data):
+        return tf.io.decode_jpeg(data, channels=3)
+
+    def random_crop(data):
+        begin, crop, _ = tf.image.sample_distorted_bounding_box(
+            tf.io.extract_jpeg_shape(data), bounding_boxes=whole, min_object_covered=0.0,
+            aspect_ratio_range=jobs.RATIO, area_range=jobs.SCALE, max_attempts=10,
+            use_image_if_no_bounding_boxes=True)
+        window = tf.stack([begin[0], begin[1], crop[0], crop[1]])
+        return tf.image.decode_and_crop_jpeg(data, window, channels=3)
+
+    def centre_crop(data):
+        shape = tf.cast(tf.io.extract_jpeg_shape(data), tf.float32)
+        short = tf.minimum(shape[0], shape[1]) / jobs.shorter_side(size)
+        box_height = tf.cast(tf.round(height * short), tf.int32)
+        box_width = tf.cast(tf.round(width * short), tf.int32)
+        image_height, image_width = tf.cast(shape[0], tf.int32), tf.cast(shape[1], tf.int32)
+        window = tf.stack([(image_height - box_height) // 2, (image_width - box_width) // 2,
+                           box_height, box_width])
+        return tf.image.decode_and_crop_jpeg(data, window, channels=3)
+
+    decode = {"squash": squash, "eval": centre_crop}.get(job, random_crop)
 
     def load(path):
-        image = tf.io.decode_jpeg(tf.io.read_file(path), channels=3)
-        return tf.cast(tf.image.resize(image, (height, width)), tf.uint8)
+        image = tf.image.resize(decode(tf.io.read_file(path)), (height, width))
+        if job.startswith("train"):
+            image = tf.image.random_flip_left_right(image)
+        if out_dtype == tf.float16:
+            return tf.cast((image - mean) / std, tf.float16)
+        return tf.cast(image, tf.uint8)
 
+    return load
+
+
+def _dataset(tf, config, job: str):
     return (tf.data.Dataset.from_tensor_slices(config.paths)
             .repeat(config.passes)
-            .map(load, num_parallel_calls=config.threads)
+            .map(_load(tf, job, tuple(config.size)), num_parallel_calls=config.threads)
             .batch(config.batch_size)
             .prefetch(tf.data.AUTOTUNE))
 
 
-def run(config, meter, service: bool) -> str:
+def run(config, meter, job: str, service: bool = False) -> str:
     if not service:
         tf = _tf()
-        for batch in _dataset(tf, config).as_numpy_iterator():
-            meter.batch(len(batch))
-        meter.stop()
-        return f"num_parallel_calls={config.threads}, in the trainer's process"
+        _read(_dataset(tf, config, job), meter, config, job)
+        return f"num_parallel_calls={config.threads}, in the trainer's process, NHWC"
     # Start the service first: both processes import TensorFlow (seconds) at once.
     child = subprocess.Popen([sys.executable, "-m", "bench.peers.tfdata", "serve"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -61,11 +108,9 @@ def run(config, meter, service: bool) -> str:
         target = child.stdout.readline().strip()
         if not target:
             raise RuntimeError("the tf.data service process did not start")
-        dataset = _dataset(tf, config).apply(tf.data.experimental.service.distribute(
+        dataset = _dataset(tf, config, job).apply(tf.data.experimental.service.distribute(
             processing_mode="parallel_epochs", service=target))
-        for batch in dataset.as_numpy_iterator():
-            meter.batch(len(batch))
-        meter.stop()
+        _read(dataset, meter, config, job)
     finally:
         child.stdin.close()
         try:
@@ -74,6 +119,14 @@ def run(config, meter, service: bool) -> str:
             child.kill()
             child.wait()
     return f"dispatcher + 1 worker in another process, num_parallel_calls={config.threads}"
+
+
+def _read(dataset, meter, config, job: str) -> None:
+    for batch in dataset.as_numpy_iterator():
+        if meter.images == 0:
+            jobs.check_batch(batch.shape, batch.dtype, tuple(config.size), job)
+        meter.batch(len(batch))
+    meter.stop()
 
 
 def _serve() -> None:

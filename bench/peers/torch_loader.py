@@ -1,44 +1,110 @@
-"""PyTorch's DataLoader as most trainers use it: worker processes, Pillow decode + resize.
+"""PyTorch's DataLoader as most trainers use it: worker processes, Pillow decode, torch ops.
 
-Each worker opens a file with Pillow, converts it to RGB, resizes it to the
-output size (bilinear, as gpufeed's reference) and returns a uint8 [3, H, W]
-tensor; the default collate stacks 32 of them in shared memory for the
-trainer. Workers persist across passes, as ``persistent_workers`` does.
+Each worker opens a file with Pillow (RGB) and makes one image of the job,
+the way torchvision's transforms would on a Pillow image (torchvision itself
+does not import here, so its steps are written out with Pillow and torch):
+
+- squash: ``resize`` to H x W, bilinear.
+- training: a random-resized-crop box sampled like torchvision's
+  ``RandomResizedCrop.get_params`` (10 tries at a random area and log-uniform
+  aspect, else the centre at the nearest allowed aspect), the box scaled to
+  H x W in one Pillow ``resize(box=...)`` (crop and bilinear scale, without
+  copying the crop), a horizontal flip with probability 0.5; uint8, or
+  ``x / 255``, normalised, float16 (``ToTensor`` + ``Normalize`` + half).
+- evaluation: the centre box a shorter side of 256 and a centre 224 keep,
+  scaled to H x W in one ``resize(box=...)``: ``Resize(256)`` +
+  ``CenterCrop(224)`` without the intermediate image.
+
+Every image is a [3, H, W] tensor; the default collate stacks 32 of them in
+shared memory for the trainer. Workers persist across passes, as
+``persistent_workers`` does; random choices come from torch's generator,
+which DataLoader seeds differently in each worker.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import torch
+from PIL import Image
+
+from .. import jobs
 
 
 class _Images:
-    def __init__(self, paths: list[str], size: tuple[int, int]):
+    def __init__(self, paths: list[str], size: tuple[int, int], job: str):
         self.paths = paths
         self.size = size
+        self.job = job
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, i: int):
-        import torch
-        from PIL import Image
-
+        height, width = self.size
         with Image.open(self.paths[i]) as im:
-            rgb = im.convert("RGB").resize((self.size[1], self.size[0]), Image.BILINEAR)
-        return torch.from_numpy(np.asarray(rgb).transpose(2, 0, 1).copy())
+            rgb = im if im.mode == "RGB" else im.convert("RGB")
+            if self.job == "squash":
+                out = rgb.resize((width, height), Image.BILINEAR)
+            elif self.job == "eval":
+                left, top, box_width, box_height = jobs.centre_box(*rgb.size, self.size)
+                out = rgb.resize((width, height), Image.BILINEAR,
+                                 box=(left, top, left + box_width, top + box_height))
+            else:
+                left, top, box_width, box_height = _random_box(*rgb.size)
+                out = rgb.resize((width, height), Image.BILINEAR,
+                                 box=(left, top, left + box_width, top + box_height))
+                if torch.rand(()) < jobs.FLIP:
+                    out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        chw = np.asarray(out).transpose(2, 0, 1)
+        if self.job != "train-f16":
+            return torch.from_numpy(chw.copy())
+        image = torch.from_numpy(chw.astype(np.float32))
+        return image.mul_(_SCALE).sub_(_SHIFT).half()  # (x / 255 - mean) / std
 
 
-def run(config, meter, workers: int) -> str:
+# (x / 255 - mean) / std as one multiply and one subtract per pixel and channel.
+_SCALE = torch.tensor([1 / (255 * s) for s in jobs.STD]).view(3, 1, 1)
+_SHIFT = torch.tensor([m / s for m, s in zip(jobs.MEAN, jobs.STD)]).view(3, 1, 1)
+
+
+def _random_box(width: int, height: int) -> tuple[int, int, int, int]:
+    """(left, top, width, height) of a random-resized-crop box, sampled as torchvision does."""
+    area = width * height
+    log_ratio = (math.log(jobs.RATIO[0]), math.log(jobs.RATIO[1]))
+    for _ in range(10):
+        target = area * torch.empty(()).uniform_(*jobs.SCALE).item()
+        aspect = math.exp(torch.empty(()).uniform_(*log_ratio).item())
+        box_width = round(math.sqrt(target * aspect))
+        box_height = round(math.sqrt(target / aspect))
+        if 0 < box_width <= width and 0 < box_height <= height:
+            top = int(torch.randint(0, height - box_height + 1, ()).item())
+            left = int(torch.randint(0, width - box_width + 1, ()).item())
+            return left, top, box_width, box_height
+    # No try fitted: the centre, at the allowed aspect nearest the image's.
+    aspect = min(max(width / height, jobs.RATIO[0]), jobs.RATIO[1])
+    if width / height < aspect:  # too tall: full width
+        box_width, box_height = width, round(width / aspect)
+    else:  # too wide, or allowed as it is: full height
+        box_width, box_height = round(height * aspect), height
+    return (width - box_width) // 2, (height - box_height) // 2, box_width, box_height
+
+
+def run(config, meter, job: str, workers: int) -> str:
     import warnings
 
     from torch.utils.data import DataLoader
 
     # More workers than cores is the point of the 4-worker row; torch warns about it.
     warnings.filterwarnings("ignore", message=".*worker processes in total.*")
-    loader = DataLoader(_Images(config.paths, tuple(config.size)), batch_size=config.batch_size,
+    size = tuple(config.size)
+    loader = DataLoader(_Images(config.paths, size, job), batch_size=config.batch_size,
                         num_workers=workers, persistent_workers=True)
     for _ in range(config.passes):
         for batch in loader:
+            if meter.images == 0:
+                jobs.check_batch(batch.shape, batch.dtype, size, job)
             meter.batch(int(batch.shape[0]))
     meter.stop()
-    return f"{workers} worker processes, Pillow decode + bilinear resize"
+    return f"{workers} worker processes, Pillow + torch ops"
