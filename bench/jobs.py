@@ -51,11 +51,11 @@ def centre_box(width: int, height: int, size: tuple[int, int]) -> tuple[float, f
 
 
 def check_batch(shape, dtype, size: tuple[int, int], job: str) -> None:
-    """Raise unless a batch is N images of ``size``, 3 channels (NCHW or NHWC), of the job's dtype."""
+    """Raise unless a batch is N images of ``size``, NCHW or NHWC, in the job's dtype."""
     want = "float16" if job == "train-f16" else "uint8"
     got = str(dtype).removeprefix("torch.")  # torch's dtypes print as torch.uint8, numpy's as uint8
     height, width = size
     shape = tuple(int(x) for x in shape)
     if got != want or shape[1:] not in ((3, height, width), (height, width, 3)):
-        raise RuntimeError(f"the {job} job wants [N, 3, {height}, {width}] or "
-                           f"[N, {height}, {width}, 3] {want}; the row delivered {list(shape)} {got}")
+        raise RuntimeError(f"the {job} job wants [N, 3, {height}, {width}] or [N, {height}, "
+                           f"{width}, 3] {want}; the row delivered {list(shape)} {got}")

@@ -57,11 +57,11 @@ def _ceiling(c, m):
     return ceiling.run(c, m)
 
 
-def _peer(module: str, job: str, *args):
-    """A runner calling ``bench.peers.<module>.run(config, meter, job, *args)``."""
+def _row(label: str, module: str, job: str, *args) -> Row:
+    """A row of ``job`` whose runner is ``bench.peers.<module>.run(config, meter, job, *args)``."""
     def run(c, m):
         return importlib.import_module(f"{__package__}.peers.{module}").run(c, m, job, *args)
-    return run
+    return Row(label, run, job)
 
 
 def _trainers(count):
@@ -92,47 +92,39 @@ def _spdl(c, m):
 ROWS = {
     # squash: the whole image to 224x224, uint8
     "ceiling": Row("gpufeed decoder ceiling (threads, no service)", _ceiling, "squash"),
-    "gpufeed-shm": Row("gpufeed -> trainer process, shm", _peer("gpufeed", "squash", "shm"),
-                       "squash"),
-    "gpufeed-inline": Row("gpufeed -> trainer process, inline",
-                          _peer("gpufeed", "squash", "inline"), "squash"),
-    "torch-2": Row("torch DataLoader, 2 workers (Pillow)", _peer("torch_loader", "squash", 2),
-                   "squash"),
-    "torch-4": Row("torch DataLoader, 4 workers (Pillow)", _peer("torch_loader", "squash", 4),
-                   "squash"),
+    "gpufeed-shm": _row("gpufeed -> trainer process, shm", "gpufeed", "squash", "shm"),
+    "gpufeed-inline": _row("gpufeed -> trainer process, inline", "gpufeed", "squash", "inline"),
+    "torch-2": _row("torch DataLoader, 2 workers (Pillow)", "torch_loader", "squash", 2),
+    "torch-4": _row("torch DataLoader, 4 workers (Pillow)", "torch_loader", "squash", 4),
     "spdl": Row("SPDL pipeline", _spdl, "squash"),
-    "tf": Row("tf.data, in-process", _peer("tfdata", "squash"), "squash"),
-    "tf-service": Row("tf.data service -> trainer process", _peer("tfdata", "squash", True),
-                      "squash"),
-    "dali": Row("DALI, CPU only (decoders.image + resize)", _peer("dali", "squash"), "squash"),
+    "tf": _row("tf.data, in-process", "tfdata", "squash"),
+    "tf-service": _row("tf.data service -> trainer process", "tfdata", "squash", True),
+    "dali": _row("DALI, CPU only (decoders.image + resize)", "dali", "squash"),
     # training: random-resized-crop + flip, uint8
-    "gpufeed-shm-rrc-u8": Row("gpufeed -> trainer process, shm, random-resized-crop + flip",
-                              _peer("gpufeed", "train-u8", "shm"), "train-u8"),
-    "torch-2-rrc-u8": Row("torch DataLoader, 2 workers (Pillow RandomResizedCrop + flip)",
-                          _peer("torch_loader", "train-u8", 2), "train-u8"),
-    "tf-rrc-u8": Row("tf.data, in-process (decode_and_crop_jpeg + flip)",
-                     _peer("tfdata", "train-u8"), "train-u8"),
-    "dali-rrc-u8": Row("DALI, CPU only (decoders.image_random_crop + resize + flip)",
-                       _peer("dali", "train-u8"), "train-u8"),
+    "gpufeed-shm-rrc-u8": _row("gpufeed -> trainer process, shm, random-resized-crop + flip",
+                               "gpufeed", "train-u8", "shm"),
+    "torch-2-rrc-u8": _row("torch DataLoader, 2 workers (Pillow RandomResizedCrop + flip)",
+                           "torch_loader", "train-u8", 2),
+    "tf-rrc-u8": _row("tf.data, in-process (decode_and_crop_jpeg + flip)", "tfdata", "train-u8"),
+    "dali-rrc-u8": _row("DALI, CPU only (decoders.image_random_crop + resize + flip)", "dali",
+                        "train-u8"),
     # training: the same, normalised, float16 (torchvision's ImageNet recipe)
-    "gpufeed-shm-rrc": Row("gpufeed -> trainer process, shm, random-resized-crop + flip + "
-                           "normalize, float16", _peer("gpufeed", "train-f16", "shm"),
-                           "train-f16"),
-    "torch-2-rrc": Row("torch DataLoader, 2 workers (Pillow RandomResizedCrop + flip + "
-                       "normalize)", _peer("torch_loader", "train-f16", 2), "train-f16"),
-    "tf-rrc": Row("tf.data, in-process (decode_and_crop_jpeg + flip + normalize)",
-                  _peer("tfdata", "train-f16"), "train-f16"),
-    "dali-rrc": Row("DALI, CPU only (decoders.image_random_crop + resize + "
-                    "crop_mirror_normalize)", _peer("dali", "train-f16"), "train-f16"),
+    "gpufeed-shm-rrc": _row("gpufeed -> trainer process, shm, random-resized-crop + flip + "
+                            "normalize, float16", "gpufeed", "train-f16", "shm"),
+    "torch-2-rrc": _row("torch DataLoader, 2 workers (Pillow RandomResizedCrop + flip + "
+                        "normalize)", "torch_loader", "train-f16", 2),
+    "tf-rrc": _row("tf.data, in-process (decode_and_crop_jpeg + flip + normalize)", "tfdata",
+                   "train-f16"),
+    "dali-rrc": _row("DALI, CPU only (decoders.image_random_crop + resize + "
+                     "crop_mirror_normalize)", "dali", "train-f16"),
     # evaluation: shorter side 256, centre 224, uint8
-    "gpufeed-shm-eval": Row("gpufeed -> trainer process, shm, center_crop (shorter side 256)",
-                            _peer("gpufeed", "eval", "shm"), "eval"),
-    "torch-2-eval": Row("torch DataLoader, 2 workers (Pillow centre box + resize)",
-                        _peer("torch_loader", "eval", 2), "eval"),
-    "tf-eval": Row("tf.data, in-process (decode_and_crop_jpeg of the centre box)",
-                   _peer("tfdata", "eval"), "eval"),
-    "dali-eval": Row("DALI, CPU only (decoders.image + resize shorter + crop)",
-                     _peer("dali", "eval"), "eval"),
+    "gpufeed-shm-eval": _row("gpufeed -> trainer process, shm, center_crop (shorter side 256)",
+                             "gpufeed", "eval", "shm"),
+    "torch-2-eval": _row("torch DataLoader, 2 workers (Pillow centre box + resize)",
+                         "torch_loader", "eval", 2),
+    "tf-eval": _row("tf.data, in-process (decode_and_crop_jpeg of the centre box)", "tfdata",
+                    "eval"),
+    "dali-eval": _row("DALI, CPU only (decoders.image + resize shorter + crop)", "dali", "eval"),
     # Several trainer processes on one server (issue 8): aggregate over all of them.
     "trainers-1": Row("gpufeed shm, 1 trainer process", _trainers(1)),
     "trainers-2": Row("gpufeed shm, 2 concurrent trainer processes", _trainers(2)),
