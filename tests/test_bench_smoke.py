@@ -18,8 +18,8 @@ from bench import run, soak
 # One row per code path; the other rows reuse these runners with other arguments (the
 # inline transport is streamed by the soak below). Every row is a few fresh processes that
 # import torch: that, not the images, is what this test's time goes on.
-_REQUIRED = {"ceiling", "gpufeed-shm", "gpufeed-shm-rrc", "gpufeed-shm-eval", "torch-2",
-             "torch-2-rrc", "trainers-2", "npy-gpufeed", "npz-numpy"}
+_REQUIRED = {"ceiling", "gpufeed-shm", "gpufeed-shm-rrc", "torch-2", "torch-2-rrc",
+             "trainers-2", "npy-gpufeed", "npz-numpy"}
 # Peers that are optional (the bench extra), one row per module. tf-service is left out: its
 # two TensorFlow processes alone took ~8 s of this test's budget.
 _OPTIONAL = {"spdl", "tf-rrc", "dali-rrc"}
@@ -70,8 +70,7 @@ def _check_bench(tmp_path):
     table = run.format_table(written)
     assert "gpufeed -> trainer process, shm" in table and "1.00x" in table
     # One table per job, each with gpufeed's row of that job and the targets against it.
-    for title in ("squash:", "training: random-resized-crop + flip, normalised float16:",
-                  "evaluation: shorter side 256, centre 224, uint8:"):
+    for title in ("squash:", "training: random-resized-crop + flip, normalised float16:"):
         assert title in table, title
     assert "target: gpufeed's CPU s / 1000 images at or below the best peer's" in table
     assert "| 2 |" in table and ".npz: numpy.load in a thread pool" in table
