@@ -66,11 +66,11 @@ class ImageRows:
 
     def read_into(self, roots: DataRoots, path: str, index: int, arrays: dict, row: int,
                   decoders: Decoders, stages) -> None:
-        place, arrays["flip"][row] = self.transform.choose(index)
+        crop, arrays["flip"][row] = self.transform.choose(index)
         with stages["read"].time():
             data = roots.read(path)
         with stages["decode"].time():
-            decoders.image.decode_into(data, arrays.get("decoded", arrays["image"])[row], place)
+            decoders.image.decode_into(data, arrays.get("decoded", arrays["image"])[row], crop)
 
 
 class VideoRows:
