@@ -157,11 +157,17 @@ static void vertical(const uint8_t *src, size_t stride, const int16_t *coef, int
 }
 
 #ifdef __SSE2__
-static inline int32_t hsum(__m128i v)
+/* Lane i of the result: the sum of the four lanes of argument i. */
+static inline __m128i sum4(__m128i a, __m128i b, __m128i c, __m128i d)
 {
-    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
-    v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
-    return _mm_cvtsi128_si32(v);
+    __m128i ab = _mm_add_epi32(_mm_unpacklo_epi32(a, b), _mm_unpackhi_epi32(a, b));
+    __m128i cd = _mm_add_epi32(_mm_unpacklo_epi32(c, d), _mm_unpackhi_epi32(c, d));
+    return _mm_add_epi32(_mm_unpacklo_epi64(ab, cd), _mm_unpackhi_epi64(ab, cd));
+}
+
+static inline __m128i to_pixels(__m128i sums)
+{
+    return _mm_srai_epi32(_mm_add_epi32(sums, _mm_set1_epi32(COEF_ONE >> 1)), COEF_BITS);
 }
 #endif
 
@@ -196,21 +202,42 @@ static int packed_make(packed_t *p, const axis_t *xs)
 static void horizontal(const int16_t *src, int first, const axis_t *xs, const packed_t *p,
                        uint8_t *r, uint8_t *g, uint8_t *b)
 {
-    for (int j = 0; j < xs->out; j++) {
+    int j = 0;
+#ifdef __SSE2__
+    /* four output pixels at a time: per pixel, one multiply-add per channel and 8 weights;
+     * the twelve sums are reduced together */
+    for (; j + 4 <= xs->out; j += 4) {
+        __m128i sum[3][4];
+        for (int q = 0; q < 4; q++) {
+            const int16_t *s = src + (size_t)(xs->lo[j + q] - first) * 3;
+            const int16_t *w = p->weights + (size_t)(j + q) * 3 * p->span;
+            __m128i sr = _mm_setzero_si128(), sg = sr, sb = sr;
+            for (int m = 0; m < p->span; m += 8) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(s + m));
+                sr = _mm_add_epi32(sr, _mm_madd_epi16(v, _mm_loadu_si128((const __m128i *)(w + m))));
+                sg = _mm_add_epi32(sg, _mm_madd_epi16(v, _mm_loadu_si128((const __m128i *)(w + p->span + m))));
+                sb = _mm_add_epi32(sb, _mm_madd_epi16(v, _mm_loadu_si128((const __m128i *)(w + 2 * p->span + m))));
+            }
+            sum[0][q] = sr;
+            sum[1][q] = sg;
+            sum[2][q] = sb;
+        }
+        __m128i rs = to_pixels(sum4(sum[0][0], sum[0][1], sum[0][2], sum[0][3]));
+        __m128i gs = to_pixels(sum4(sum[1][0], sum[1][1], sum[1][2], sum[1][3]));
+        __m128i bs = to_pixels(sum4(sum[2][0], sum[2][1], sum[2][2], sum[2][3]));
+        __m128i bytes = _mm_packus_epi16(_mm_packs_epi32(rs, gs), _mm_packs_epi32(bs, bs));
+        uint32_t four;
+        four = (uint32_t)_mm_cvtsi128_si32(bytes);
+        memcpy(r + j, &four, 4);
+        four = (uint32_t)_mm_cvtsi128_si32(_mm_srli_si128(bytes, 4));
+        memcpy(g + j, &four, 4);
+        four = (uint32_t)_mm_cvtsi128_si32(_mm_srli_si128(bytes, 8));
+        memcpy(b + j, &four, 4);
+    }
+#endif
+    for (; j < xs->out; j++) {
         const int16_t *s = src + (size_t)(xs->lo[j] - first) * 3;
         const int16_t *w = p->weights + (size_t)j * 3 * p->span;
-#ifdef __SSE2__
-        __m128i sr = _mm_setzero_si128(), sg = sr, sb = sr;
-        for (int m = 0; m < p->span; m += 8) {
-            __m128i v = _mm_loadu_si128((const __m128i *)(s + m));
-            sr = _mm_add_epi32(sr, _mm_madd_epi16(v, _mm_loadu_si128((const __m128i *)(w + m))));
-            sg = _mm_add_epi32(sg, _mm_madd_epi16(v, _mm_loadu_si128((const __m128i *)(w + p->span + m))));
-            sb = _mm_add_epi32(sb, _mm_madd_epi16(v, _mm_loadu_si128((const __m128i *)(w + 2 * p->span + m))));
-        }
-        r[j] = clamp8(hsum(sr));
-        g[j] = clamp8(hsum(sg));
-        b[j] = clamp8(hsum(sb));
-#else
         int32_t sr = 0, sg = 0, sb = 0;
         for (int m = 0; m < p->span; m++) {
             sr += w[m] * s[m];
@@ -220,7 +247,6 @@ static void horizontal(const int16_t *src, int first, const axis_t *xs, const pa
         r[j] = clamp8(sr);
         g[j] = clamp8(sg);
         b[j] = clamp8(sb);
-#endif
     }
 }
 
