@@ -61,6 +61,23 @@ static void axis_free(axis_t *a)
     a->coef = NULL;
 }
 
+/* Reverse the order of the output pixels: a horizontal flip at no cost. */
+static void axis_mirror(axis_t *a)
+{
+    for (int i = 0, j = a->out - 1; i < j; i++, j--) {
+        int lo = a->lo[i], n = a->n[i];
+        a->lo[i] = a->lo[j];
+        a->n[i] = a->n[j];
+        a->lo[j] = lo;
+        a->n[j] = n;
+        for (int k = 0; k < a->taps; k++) {
+            int16_t c = a->coef[(size_t)i * a->taps + k];
+            a->coef[(size_t)i * a->taps + k] = a->coef[(size_t)j * a->taps + k];
+            a->coef[(size_t)j * a->taps + k] = c;
+        }
+    }
+}
+
 /* Weights for mapping [box0, box0 + len) of a source axis of `size` pixels onto
  * `out` pixels. Returns 0, or -1 when out of memory. */
 static int axis_make(axis_t *a, double box0, double len, int size, int out)
@@ -252,12 +269,15 @@ static void horizontal(const int16_t *src, int first, const axis_t *xs, const pa
 
 /* Resize packed RGB rows (first row = source row `y0`, first column = source
  * column `x0`, `stride` bytes apart) into planar out [3, ys.out, xs.out], whose
- * axes were made in source coordinates. Returns 0 or -1 (out of memory). */
+ * axes were made in source coordinates; mirrored left to right if `flip` (which
+ * reorders xs). Returns 0 or -1 (out of memory). */
 static int resize_rows(const uint8_t *src, size_t stride, int x0, int y0,
-                       const axis_t *xs, const axis_t *ys, uint8_t *out)
+                       axis_t *xs, const axis_t *ys, int flip, uint8_t *out)
 {
     int first = xs->lo[0], last = xs->lo[xs->out - 1] + xs->n[xs->out - 1];
     int width = (last - first) * 3;
+    if (flip)
+        axis_mirror(xs);
     size_t plane = (size_t)xs->out * ys->out;
     packed_t p = {0, NULL};
     int16_t *row = NULL;
@@ -307,6 +327,7 @@ typedef struct {
     uint8_t *out;
     int out_h, out_w;
     double top, left, box_h, box_w;
+    int flip;
     axis_t xs, ys; /* here, not on run_decode's stack, so they survive a longjmp */
     /* results */
     int denom;
@@ -406,7 +427,7 @@ static int run_decode(job_t *job)
         }
         if (cinfo.output_scanline == cinfo.output_height)
             jpeg_finish_decompress(&cinfo); /* reads to the end-of-image marker */
-        if (resize_rows(pixels, stride, (int)x0, (int)y0, xs, ys, job->out))
+        if (resize_rows(pixels, stride, (int)x0, (int)y0, xs, ys, job->flip, job->out))
             status = NO_MEMORY;
     }
 done:
@@ -439,23 +460,23 @@ static int get_out(PyObject *obj, Py_buffer *view, int *h, int *w)
 }
 
 PyDoc_STRVAR(decode_crop_doc,
-"decode_crop(data, out, box) -> int\n\n"
+"decode_crop(data, out, box, flip=False) -> int\n\n"
 "Decode the JPEG ``data``'s window ``box`` = (top, left, height, width), in\n"
 "source pixels (floats allowed), resized (bilinear, widened when shrinking) into\n"
-"``out``, a C-contiguous uint8 [3, H, W] array. Returns the DCT scale\n"
+"``out``, a C-contiguous uint8 [3, H, W] array, mirrored if ``flip``. Returns the DCT scale\n"
 "denominator used (1, 2, 4 or 8). Raises Error for damaged data, Unsupported\n"
 "for colour spaces other than YCbCr, RGB and grayscale.");
 
 static PyObject *decode_crop(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"data", "out", "box", NULL};
+    static char *names[] = {"data", "out", "box", "flip", NULL};
     Py_buffer data, out;
     PyObject *out_obj, *box;
-    int status;
+    int status, flip = 0;
     job_t job;
 
     memset(&job, 0, sizeof job);
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*OO", names, &data, &out_obj, &box))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*OO|p", names, &data, &out_obj, &box, &flip))
         return NULL;
     if (!parse_box(box, &job.top, &job.left, &job.box_h, &job.box_w) ||
         get_out(out_obj, &out, &job.out_h, &job.out_w)) {
@@ -465,6 +486,7 @@ static PyObject *decode_crop(PyObject *self, PyObject *args, PyObject *kwargs)
     job.data = data.buf;
     job.size = (size_t)data.len;
     job.out = out.buf;
+    job.flip = flip;
     Py_BEGIN_ALLOW_THREADS
     status = run_decode(&job);
     Py_END_ALLOW_THREADS
@@ -488,20 +510,22 @@ static PyObject *decode_crop(PyObject *self, PyObject *args, PyObject *kwargs)
 }
 
 PyDoc_STRVAR(resize_rgb_doc,
-"resize_rgb(image, out, box) -> None\n\n"
+"resize_rgb(image, out, box, flip=False) -> None\n\n"
 "Resize the window ``box`` = (top, left, height, width) of ``image``, a packed\n"
 "uint8 [h, w, 3] array whose rows may be padded, into ``out`` [3, H, W], with\n"
-"decode_crop's filter.");
+"decode_crop's filter, mirrored if ``flip``.");
 
-static PyObject *resize_rgb(PyObject *self, PyObject *args)
+static PyObject *resize_rgb(PyObject *self, PyObject *args, PyObject *kwargs)
 {
+    static char *names[] = {"image", "out", "box", "flip", NULL};
     Py_buffer image, out;
     PyObject *image_obj, *out_obj, *box;
     double top, left, bh, bw;
-    int out_h, out_w, status = 0;
+    int out_h, out_w, status = 0, flip = 0;
     axis_t xs = {0}, ys = {0};
 
-    if (!PyArg_ParseTuple(args, "OOO", &image_obj, &out_obj, &box) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|p", names, &image_obj, &out_obj, &box,
+                                     &flip) ||
         !parse_box(box, &top, &left, &bh, &bw))
         return NULL;
     if (PyObject_GetBuffer(image_obj, &image, PyBUF_STRIDES | PyBUF_FORMAT))
@@ -527,7 +551,7 @@ static PyObject *resize_rgb(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     if (axis_make(&xs, left, bw, (int)image.shape[1], out_w) ||
         axis_make(&ys, top, bh, (int)image.shape[0], out_h) ||
-        resize_rows(image.buf, (size_t)image.strides[0], 0, 0, &xs, &ys, out.buf))
+        resize_rows(image.buf, (size_t)image.strides[0], 0, 0, &xs, &ys, flip, out.buf))
         status = -1;
     axis_free(&xs);
     axis_free(&ys);
@@ -542,7 +566,8 @@ static PyObject *resize_rgb(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"decode_crop", (PyCFunction)(void (*)(void))decode_crop, METH_VARARGS | METH_KEYWORDS,
      decode_crop_doc},
-    {"resize_rgb", resize_rgb, METH_VARARGS, resize_rgb_doc},
+    {"resize_rgb", (PyCFunction)(void (*)(void))resize_rgb, METH_VARARGS | METH_KEYWORDS,
+     resize_rgb_doc},
     {NULL, NULL, 0, NULL},
 };
 

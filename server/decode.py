@@ -84,12 +84,15 @@ class RgbScaler:
         return rows[:, :rgb.width * 3].reshape(rgb.height, rgb.width, 3)
 
     @staticmethod
-    def copy(rgb: av.VideoFrame, out: np.ndarray, top: int = 0, left: int = 0) -> None:
-        """Copy the [3, H, W] window of ``rgb`` at (top, left) into ``out``, in RGB order."""
+    def copy(rgb: av.VideoFrame, out: np.ndarray, top: int = 0, left: int = 0,
+             flip: bool = False) -> None:
+        """Copy the [3, H, W] window of ``rgb`` at (top, left) into ``out``, in RGB order,
+        mirrored left to right if ``flip``."""
         _, height, width = out.shape
         for plane, row in zip(rgb.planes, _GBRP_TO_RGB_ROW):
             pixels = np.frombuffer(plane, np.uint8).reshape(rgb.height, plane.line_size)
-            out[row] = pixels[top:top + height, left:left + width]
+            window = pixels[top:top + height, left:left + width]
+            out[row] = window[:, ::-1] if flip else window
 
 
 # Images over this many pixels are refused before decoding (gpufeed-server --max-pixels).
@@ -116,10 +119,12 @@ class ImageDecoder:
         self._rgb = RgbScaler()
         self._max_pixels = max_pixels
 
-    def decode_into(self, data: bytes, out: np.ndarray, crop: CropRule | None = None) -> None:
+    def decode_into(self, data: bytes, out: np.ndarray, crop: CropRule | None = None,
+                    flip: bool = False) -> None:
         """Decode ``data`` and write its window ``crop(source height, source width)``,
         resized (bilinear), into ``out`` of shape [3, H, W]; without ``crop``, the whole
-        image (squashed to H x W)."""
+        image (squashed to H x W). Mirrored left to right if ``flip``: every path
+        flips while it writes the row, so a flip costs no pass of its own."""
         if not data:
             raise DecodeError("empty file")
         declared = declared_size(data)
@@ -129,7 +134,8 @@ class ImageDecoder:
         if is_jpeg and declared is not None and jpeg.takes(data):
             src_w, src_h = declared
             try:
-                jpeg.decode_crop(data, out, crop(src_h, src_w) if crop else (0, 0, src_h, src_w))
+                jpeg.decode_crop(data, out, crop(src_h, src_w) if crop else (0, 0, src_h, src_w),
+                                 flip)
                 return
             except jpeg.Unsupported:
                 pass  # CMYK / YCCK: FFmpeg converts those
@@ -139,7 +145,7 @@ class ImageDecoder:
             frame = self._decode_jpeg(data) if is_jpeg else _decode_other(data, self._check_size)
             box = crop(frame.height, frame.width) if crop else None
             if box is not None and jpeg.AVAILABLE:
-                jpeg.resize_rgb(self._rgb.packed(frame), out, box)
+                jpeg.resize_rgb(self._rgb.packed(frame), out, box, flip)
                 return
             _, height, width = out.shape
             scaled_h, scaled_w, top, left = (
@@ -148,7 +154,7 @@ class ImageDecoder:
             rgb = self._rgb.scale(frame, scaled_w, scaled_h)
         except av.FFmpegError as e:
             raise DecodeError(f"not a decodable image: {e}") from None
-        self._rgb.copy(rgb, out, top, left)
+        self._rgb.copy(rgb, out, top, left, flip)
 
     def _check_size(self, width: int, height: int) -> None:
         if width * height > self._max_pixels:

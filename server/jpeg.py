@@ -10,7 +10,8 @@ API, the calls TensorFlow's ``decode_and_crop_jpeg`` uses. For one sample it:
   least 2, 4 or 8 times the output in both dimensions;
 - resizes the decoded window to H x W with Pillow's bilinear filter (a
   triangle widened by the shrink factor) over the box's exact, sub-pixel
-  position, writing the ``uint8 [3, H, W]`` row directly;
+  position, writing the ``uint8 [3, H, W]`` row directly (mirrored for a flip:
+  the output columns' weights are taken in reverse order, so it costs nothing);
 
 all with the GIL released. Against Pillow (crop, then bilinear resize) it is
 within one level per pixel without DCT scaling; bench/README.md gives the
@@ -59,12 +60,16 @@ def takes(data: bytes) -> bool:
     return AVAILABLE and data.endswith(_EOI)
 
 
-def decode_crop(data: bytes, out: np.ndarray, box: tuple[float, float, float, float]) -> int:
-    """Decode ``box`` (top, left, height, width) of the JPEG into ``out`` [3, H, W];
-    returns the DCT scale denominator used. Raises JpegError, Unsupported."""
-    return _jpeg.decode_crop(data, out, box)
+def decode_crop(data: bytes, out: np.ndarray, box: tuple[float, float, float, float],
+                flip: bool = False) -> int:
+    """Decode ``box`` (top, left, height, width) of the JPEG into ``out`` [3, H, W],
+    mirrored if ``flip``; returns the DCT scale denominator used. Raises JpegError,
+    Unsupported."""
+    return _jpeg.decode_crop(data, out, box, flip)
 
 
-def resize_rgb(image: np.ndarray, out: np.ndarray, box: tuple[float, float, float, float]) -> None:
-    """Resize ``box`` of a packed uint8 [h, w, 3] image into ``out`` [3, H, W], as decode_crop does."""
-    _jpeg.resize_rgb(image, out, box)
+def resize_rgb(image: np.ndarray, out: np.ndarray, box: tuple[float, float, float, float],
+               flip: bool = False) -> None:
+    """Resize ``box`` of a packed uint8 [h, w, 3] image into ``out`` [3, H, W], as
+    decode_crop does."""
+    _jpeg.resize_rgb(image, out, box, flip)

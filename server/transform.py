@@ -9,9 +9,11 @@ seeded with (seed, epoch, sample index): the same on every run, thread count
 and resume, and ``OutputTransform.box`` gives the same box however often it is
 asked.
 
-Everything after the decode (flip, x / 255, normalisation, dtype, layout) is
-``finish_slot``: torch operations on whichever device holds the batch (the
-GPU with ``--device cuda:N``, the CPU otherwise), run once per batch.
+Everything after the decode (x / 255, normalisation, dtype, layout; the flip
+of video clips) is ``finish_slot``: torch operations on whichever device holds
+the batch (the GPU with ``--device cuda:N``, the CPU otherwise), run once per
+batch. Images are flipped by the decoder as it writes their row, at no cost: a
+flip in the batch pass was three copies of the batch on the CPU.
 """
 
 from __future__ import annotations
@@ -162,8 +164,8 @@ class OutputTransform:
         return top * sy, left * sx, self.height * sy, self.width * sx
 
     def finish_slot(self, arrays: dict[str, torch.Tensor], rows: int) -> None:
-        """The batch pass over a slot's first ``rows`` rows: flip, scale to [0, 1],
-        normalise, cast, lay out, into ``arrays["image"]``.
+        """The batch pass over a slot's first ``rows`` rows: flip (video clips; images
+        arrive flipped), scale to [0, 1], normalise, cast, lay out, into ``arrays["image"]``.
 
         ``arrays`` are the slot's BatchLayout views as tensors, on the host or
         (cuda_ipc) on the device after the copy: the same code for both. The
@@ -173,7 +175,7 @@ class OutputTransform:
         """
         image = arrays["image"][:rows]
         decoded = arrays["decoded"][:rows] if "decoded" in arrays else image
-        if self.flip_probability:  # no data-dependent branch: no device sync on a GPU
+        if self.flip_probability and self.frames:  # no data-dependent branch: no device sync
             mask = arrays["flip"][:rows].view(-1, *[1] * (decoded.dim() - 1))
             decoded.copy_(torch.where(mask, decoded.flip(-1), decoded))
         if not self.converts:
