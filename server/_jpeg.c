@@ -463,8 +463,8 @@ PyDoc_STRVAR(decode_crop_doc,
 "decode_crop(data, out, box, flip=False) -> int\n\n"
 "Decode the JPEG ``data``'s window ``box`` = (top, left, height, width), in\n"
 "source pixels (floats allowed), resized (bilinear, widened when shrinking) into\n"
-"``out``, a C-contiguous uint8 [3, H, W] array, mirrored if ``flip``. Returns the DCT scale\n"
-"denominator used (1, 2, 4 or 8). Raises Error for damaged data, Unsupported\n"
+"``out``, a C-contiguous uint8 [3, H, W] array, mirrored if ``flip``. Returns\n"
+"the DCT scale denominator used (1, 2, 4 or 8). Raises Error for damaged data, Unsupported\n"
 "for colour spaces other than YCbCr, RGB and grayscale.");
 
 static PyObject *decode_crop(PyObject *self, PyObject *args, PyObject *kwargs)
@@ -500,10 +500,7 @@ static PyObject *decode_crop(PyObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     case NO_MEMORY:
         return PyErr_NoMemory();
-    case BAD_BOX:
-        PyErr_SetString(PyExc_ValueError, job.message);
-        return NULL;
-    default:
+    default: /* FAILED, or BAD_BOX: a box made from a size the header does not agree with */
         PyErr_SetString(JpegError, job.message);
         return NULL;
     }
