@@ -103,7 +103,8 @@ class ImageDecoder:
     """Decodes images into ``uint8 [3, H, W]`` rows. Not thread-safe: one per thread.
 
     What it does with unusual files: a JPEG that is truncated or damaged fails
-    (FFmpeg's ``err_detect=explode``) rather than arriving with grey blocks;
+    (FFmpeg's ``err_detect=explode``; on the fast path, any libjpeg warning about
+    the rows it reads) rather than arriving with grey blocks;
     CMYK and grayscale JPEGs are converted to RGB; an alpha channel is dropped
     (not composited), as Pillow's ``convert("RGB")`` does; 16-bit and palette
     PNGs are converted; an animated GIF gives its first frame; the EXIF
