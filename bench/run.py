@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 from . import arrays, dataset
-from .accuracy import decoder_psnr
+from .accuracy import crop_psnr, decoder_psnr
 from .jobs import JOBS
 from .measure import write_report
 from .worker import ROWS, Config, group
@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
         _say(f"decoder accuracy vs Pillow decode + bilinear resize: mean "
              f"{accuracy['mean_db']:.2f} dB, worst {accuracy['min_db']:.2f} dB "
              f"over {accuracy['images']} images")
+        accuracy["crop"] = crop = crop_psnr(config.paths[:args.psnr_images], config.size)
+        _say(f"random-resized crops vs Pillow on the same box: mean {crop['mean_db']:.2f} dB, "
+             f"worst {crop['min_db']:.2f} dB over {crop['images']} images")
     runs: dict[str, list[dict]] = {row: [] for row in rows}
 
     def one(row: str, round_: int) -> dict:

@@ -11,6 +11,7 @@ import threading
 import gpufeed
 
 try:
+    from . import jpeg
     from .app import FeedServer, ServerConfig, default_threads
     from .auth import read_token
     from .request import Limits
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if server.metrics.address:  # before the ready line, so whoever waits for it has both
         lifecycle.info(
             "gpufeed-server metrics on http://%s/metrics", server.metrics.address)
+    logging.getLogger("gpufeed.server").info(jpeg.describe())
     lifecycle.info(
         "gpufeed-server ready on %s (data roots: %s; %d decode threads)",
         server.address, ", ".join(config.data_roots), config.threads)

@@ -1,14 +1,24 @@
 """Decode an encoded image straight into its row of a batch.
 
-One ``ImageDecoder`` per decode thread: it owns a reusable ``mjpeg`` codec
-context, so a JPEG goes from bytes to frame without a demuxer or a new context
-per image. Other formats (PNG, WebP, BMP, TIFF, GIF) go through FFmpeg's
-demuxer. FFmpeg releases the GIL while it decodes and scales, which is why
-threads give parallelism here.
+Crop, then scale: a sample's crop box (server/transform.py) says which window
+of the source becomes the output, and only that window is resized.
 
-The frame is colour-converted and scaled in one swscale pass to planar RGB at
-the output size, and the three planes are copied into the ``[3, H, W]`` row the
-caller hands in: no per-image tensor, no collate copy.
+- JPEG (YCbCr, RGB, grayscale) goes through the fast path in server/jpeg.py
+  when its C extension is built: only the MCUs under the box are decoded, at
+  1/2-1/8 scale when the box is that much larger than the output, then resized
+  into the row.
+- Everything else (PNG, WebP, BMP, TIFF, GIF; CMYK or unterminated JPEGs; any
+  JPEG without the extension) is decoded whole by FFmpeg through PyAV: JPEGs by
+  a reusable ``mjpeg`` codec context (no demuxer, no new context per image),
+  the rest through FFmpeg's demuxer. A squash is colour-converted and scaled in
+  one swscale pass to planar RGB at the output size. A crop is converted to
+  packed RGB at source size and its box resized by the fast path's resize;
+  without the extension, swscale scales the whole image so that the box comes
+  out at H x W and the window is copied out.
+
+Both paths write into the ``[3, H, W]`` row the caller hands in (no per-image
+tensor, no collate copy) and release the GIL while they decode and scale, which
+is why threads give parallelism here.
 
 Settings, each measured on the benchmark's JPEG set (bench/README.md):
 
@@ -37,7 +47,9 @@ import av
 import numpy as np
 from av.video.reformatter import Interpolation, VideoReformatter
 
+from . import jpeg
 from .headers import declared_size
+from .transform import Box, CropRule
 
 __all__ = ["DecodeError", "ImageDecoder", "RgbScaler"]
 
@@ -46,10 +58,6 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 _GBRP_TO_RGB_ROW = (1, 2, 0)
 _GBRP = av.VideoFormat("gbrp")
 _SCALER = Interpolation.BILINEAR
-
-
-# (source height, source width) -> (scaled height, scaled width, window top, window left)
-Place = Callable[[int, int], tuple[int, int, int, int]]
 
 
 class DecodeError(Exception):
@@ -68,13 +76,23 @@ class RgbScaler:
         return self._scaler.reformat(frame, width, height, _GBRP, interpolation=_SCALER,
                                      threads=1)
 
+    def packed(self, frame: av.VideoFrame) -> np.ndarray:
+        """``frame`` as packed RGB at its own size: a uint8 [h, w, 3] view (rows padded)."""
+        rgb = self._scaler.reformat(frame, format="rgb24", interpolation=_SCALER, threads=1)
+        plane = rgb.planes[0]
+        rows = np.frombuffer(plane, np.uint8).reshape(rgb.height, plane.line_size)
+        return rows[:, :rgb.width * 3].reshape(rgb.height, rgb.width, 3)
+
     @staticmethod
-    def copy(rgb: av.VideoFrame, out: np.ndarray, top: int = 0, left: int = 0) -> None:
-        """Copy the [3, H, W] window of ``rgb`` at (top, left) into ``out``, in RGB order."""
+    def copy(rgb: av.VideoFrame, out: np.ndarray, top: int = 0, left: int = 0,
+             flip: bool = False) -> None:
+        """Copy the [3, H, W] window of ``rgb`` at (top, left) into ``out``, in RGB order,
+        mirrored left to right if ``flip``."""
         _, height, width = out.shape
         for plane, row in zip(rgb.planes, _GBRP_TO_RGB_ROW):
             pixels = np.frombuffer(plane, np.uint8).reshape(rgb.height, plane.line_size)
-            out[row] = pixels[top:top + height, left:left + width]
+            window = pixels[top:top + height, left:left + width]
+            out[row] = window[:, ::-1] if flip else window
 
 
 # Images over this many pixels are refused before decoding (gpufeed-server --max-pixels).
@@ -85,7 +103,8 @@ class ImageDecoder:
     """Decodes images into ``uint8 [3, H, W]`` rows. Not thread-safe: one per thread.
 
     What it does with unusual files: a JPEG that is truncated or damaged fails
-    (FFmpeg's ``err_detect=explode``) rather than arriving with grey blocks;
+    (FFmpeg's ``err_detect=explode``; on the fast path, any libjpeg warning about
+    the rows it reads) rather than arriving with grey blocks;
     CMYK and grayscale JPEGs are converted to RGB; an alpha channel is dropped
     (not composited), as Pillow's ``convert("RGB")`` does; 16-bit and palette
     PNGs are converted; an animated GIF gives its first frame; the EXIF
@@ -101,31 +120,42 @@ class ImageDecoder:
         self._rgb = RgbScaler()
         self._max_pixels = max_pixels
 
-    def decode_into(self, data: bytes, out: np.ndarray, place: Place | None = None) -> None:
-        """Decode ``data``, scale it (bilinear) and write it into ``out`` of shape [3, H, W].
-
-        Without ``place`` the image is squashed to exactly H x W. With it,
-        ``place(source height, source width)`` says what size to scale the
-        whole image to and where the H x W window to keep starts: a crop costs
-        no pass of its own.
-        """
+    def decode_into(self, data: bytes, out: np.ndarray, crop: CropRule | None = None,
+                    flip: bool = False) -> None:
+        """Decode ``data`` and write its window ``crop(source height, source width)``,
+        resized (bilinear), into ``out`` of shape [3, H, W]; without ``crop``, the whole
+        image (squashed to H x W). Mirrored left to right if ``flip``: every path
+        flips while it writes the row, so a flip costs no pass of its own."""
         if not data:
             raise DecodeError("empty file")
-        _, height, width = out.shape
         declared = declared_size(data)
         if declared is not None:
             self._check_size(*declared)
+        is_jpeg = data.startswith(_JPEG_MAGIC)
+        if is_jpeg and declared is not None and jpeg.takes(data):
+            src_w, src_h = declared
+            try:
+                jpeg.decode_crop(data, out, crop(src_h, src_w) if crop else (0, 0, src_h, src_w),
+                                 flip)
+                return
+            except jpeg.Unsupported:
+                pass  # CMYK / YCCK: FFmpeg converts those
+            except jpeg.JpegError as e:
+                raise DecodeError(f"not a decodable image: {e}") from None
         try:
-            if data.startswith(_JPEG_MAGIC):
-                frame = self._decode_jpeg(data)
-            else:
-                frame = _decode_other(data, self._check_size)
-            scaled_h, scaled_w, top, left = (place(frame.height, frame.width) if place
-                                             else (height, width, 0, 0))
+            frame = self._decode_jpeg(data) if is_jpeg else _decode_other(data, self._check_size)
+            box = crop(frame.height, frame.width) if crop else None
+            if box is not None and jpeg.AVAILABLE:
+                jpeg.resize_rgb(self._rgb.packed(frame), out, box, flip)
+                return
+            _, height, width = out.shape
+            scaled_h, scaled_w, top, left = (
+                _placement(box, frame.height, frame.width, height, width) if box is not None
+                else (height, width, 0, 0))
             rgb = self._rgb.scale(frame, scaled_w, scaled_h)
         except av.FFmpegError as e:
             raise DecodeError(f"not a decodable image: {e}") from None
-        self._rgb.copy(rgb, out, top, left)
+        self._rgb.copy(rgb, out, top, left, flip)
 
     def _check_size(self, width: int, height: int) -> None:
         if width * height > self._max_pixels:
@@ -137,6 +167,18 @@ class ImageDecoder:
         if not frames:
             raise DecodeError("JPEG decoder produced no image")
         return frames[0]
+
+
+def _placement(box: Box, src_h: int, src_w: int, out_h: int, out_w: int
+               ) -> tuple[int, int, int, int]:
+    """(scaled height, scaled width, top, left): scale the whole source so that ``box``
+    comes out at out_h x out_w, and where that window starts (the path without the
+    fast path's resize; the box's corner is rounded to a whole output pixel)."""
+    top, left, h, w = box
+    sy, sx = out_h / h, out_w / w
+    scaled_h, scaled_w = max(out_h, round(src_h * sy)), max(out_w, round(src_w * sx))
+    return (scaled_h, scaled_w, min(round(top * sy), scaled_h - out_h),
+            min(round(left * sx), scaled_w - out_w))
 
 
 def _decode_other(data: bytes, check_size: Callable[[int, int], None]) -> av.VideoFrame:

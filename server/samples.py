@@ -75,11 +75,12 @@ class ImageRows:
 
     def read_into(self, roots: DataRoots, path: str, index: int, arrays: dict, row: int,
                   decoders: Decoders, stages) -> None:
-        place, arrays["flip"][row] = self.transform.choose(index)
+        crop, flip = self.transform.choose(index)
         with stages["read"].time():
             data = roots.read(path)
-        with stages["decode"].time():
-            decoders.image.decode_into(data, arrays.get("decoded", arrays["image"])[row], place)
+        with stages["decode"].time():  # the decoder flips; the batch pass does not
+            decoders.image.decode_into(data, arrays.get("decoded", arrays["image"])[row], crop,
+                                       flip)
 
 
 class VideoRows:

@@ -1,40 +1,41 @@
 """What each image becomes: per-sample geometry before scaling, one batch pass after.
 
-Geometry (which window of the source lands in the output) is decided per
-sample on the CPU, from the source size, before the decoder scales: the decoder
-scales the whole image to ``Placement.scaled`` and copies out the window at
-``Placement.top/left``, so cropping costs no extra pass. The random choices of
-a sample (crop box, flip) come from a generator seeded with (seed, epoch,
-sample index): the same on every run, thread count and resume.
+Geometry is a crop box per sample: the window of the source, in source pixels
+(top, left, height, width; floats, since a centre crop's box falls between
+pixels), that is resized to the output. It is decided on the CPU from the
+source size, and the decoder decodes and scales only that window (crop, then
+scale). The random choices of a sample (crop box, flip) come from a generator
+seeded with (seed, epoch, sample index): the same on every run, thread count
+and resume, and ``OutputTransform.box`` gives the same box however often it is
+asked.
 
-Everything after the decode (flip, x / 255, normalisation, dtype, layout) is
-``finish_slot``: torch operations on whichever device holds the batch (the
-GPU with ``--device cuda:N``, the CPU otherwise), run once per batch.
+Everything after the decode (x / 255, normalisation, dtype, layout; the flip
+of video clips) is ``finish_slot``: torch operations on whichever device holds
+the batch (the GPU with ``--device cuda:N``, the CPU otherwise), run once per
+batch. Images are flipped by the decoder as it writes their row, at no cost: a
+flip in the batch pass was three copies of the batch on the CPU.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
 
-__all__ = ["OutputTransform", "Placement", "random_resized_crop_box", "sample_rng"]
+__all__ = ["Box", "CropRule", "OutputTransform", "random_resized_crop_box", "sample_rng"]
 
 _DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "float16": torch.float16,
            "bfloat16": torch.bfloat16}
 
 
-class Placement(NamedTuple):
-    """Scale the source to ``scaled_h x scaled_w``; the output is the window at (top, left)."""
-
-    scaled_h: int
-    scaled_w: int
-    top: int
-    left: int
+# (top, left, height, width) of the source window that becomes the output, in source pixels.
+Box = tuple[float, float, float, float]
+# (source height, source width) -> the Box of one sample; None means the whole image.
+CropRule = Callable[[int, int], Box]
 
 
 _CROP, _FLIP, CLIP = 0, 1, 2  # one generator per decision: one's draws never shift another's
@@ -72,16 +73,6 @@ def random_resized_crop_box(rng: np.random.Generator, height: int, width: int,
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
-
-
-def _crop_placement(src_h: int, src_w: int, box: tuple[int, int, int, int],
-                    out_h: int, out_w: int) -> Placement:
-    """Scale the whole source so that ``box`` becomes exactly out_h x out_w."""
-    top, left, h, w = box
-    sy, sx = out_h / h, out_w / w
-    scaled_h, scaled_w = max(out_h, round(src_h * sy)), max(out_w, round(src_w * sx))
-    return Placement(scaled_h, scaled_w, min(round(top * sy), scaled_h - out_h),
-                     min(round(left * sx), scaled_w - out_w))
 
 
 class OutputTransform:
@@ -143,33 +134,40 @@ class OutputTransform:
         frame = (3, self.height, self.width)
         return (self.frames, *frame) if self.frames else frame
 
-    def choose(self, index: int) -> tuple[object, bool]:
-        """(placement rule, flip) for sample ``index``; the rule maps (src_h, src_w) to a Placement."""
-        rng = sample_rng(self.seed, self.epoch, index) if self.random else None
-        if self.resize == feed_pb2.RESIZE_SQUASH:
-            rule = None
-        elif self.resize == feed_pb2.RESIZE_SHORTER_CENTER_CROP:
-            rule = self._centre
-        else:
-            def rule(src_h: int, src_w: int, rng=rng) -> Placement:
-                box = random_resized_crop_box(rng, src_h, src_w, self.scale, self.ratio)
-                return _crop_placement(src_h, src_w, box, self.height, self.width)
+    def choose(self, index: int) -> tuple[CropRule | None, bool]:
+        """(crop rule, flip) for sample ``index``; the rule maps (src_h, src_w) to its Box,
+        None (squash) keeps the whole image."""
+        crop = None if self.resize == feed_pb2.RESIZE_SQUASH else \
+            lambda src_h, src_w: self.box(index, src_h, src_w)
         flip = bool(self.flip_probability and
                     sample_rng(self.seed, self.epoch, index, _FLIP).random() < self.flip_probability)
-        return rule, flip
+        return crop, flip
 
-    def _centre(self, src_h: int, src_w: int) -> Placement:
+    def box(self, index: int, src_h: int, src_w: int) -> Box:
+        """The source window sample ``index`` keeps (whole image for squash)."""
+        if self.resize == feed_pb2.RESIZE_SQUASH:
+            return 0, 0, src_h, src_w
+        if self.resize == feed_pb2.RESIZE_SHORTER_CENTER_CROP:
+            return self._centre(src_h, src_w)
+        return random_resized_crop_box(sample_rng(self.seed, self.epoch, index), src_h, src_w,
+                                       self.scale, self.ratio)
+
+    def _centre(self, src_h: int, src_w: int) -> Box:
+        """The window that resizing the shorter side to ``shorter_side`` and cutting the
+        centre H x W out of that shows, in source pixels: the same pixels, one resize."""
         short = self.shorter_side
         if src_h <= src_w:
             scaled_h, scaled_w = short, int(short * src_w / src_h)
         else:
             scaled_h, scaled_w = int(short * src_h / src_w), short
-        return Placement(scaled_h, scaled_w, int(round((scaled_h - self.height) / 2.0)),
-                         int(round((scaled_w - self.width) / 2.0)))
+        top = int(round((scaled_h - self.height) / 2.0))
+        left = int(round((scaled_w - self.width) / 2.0))
+        sy, sx = src_h / scaled_h, src_w / scaled_w
+        return top * sy, left * sx, self.height * sy, self.width * sx
 
     def finish_slot(self, arrays: dict[str, torch.Tensor], rows: int) -> None:
-        """The batch pass over a slot's first ``rows`` rows: flip, scale to [0, 1],
-        normalise, cast, lay out, into ``arrays["image"]``.
+        """The batch pass over a slot's first ``rows`` rows: flip (video clips; images
+        arrive flipped), scale to [0, 1], normalise, cast, lay out, into ``arrays["image"]``.
 
         ``arrays`` are the slot's BatchLayout views as tensors, on the host or
         (cuda_ipc) on the device after the copy: the same code for both. The
@@ -179,7 +177,7 @@ class OutputTransform:
         """
         image = arrays["image"][:rows]
         decoded = arrays["decoded"][:rows] if "decoded" in arrays else image
-        if self.flip_probability:  # no data-dependent branch: no device sync on a GPU
+        if self.flip_probability and self.frames:  # no data-dependent branch: no device sync
             mask = arrays["flip"][:rows].view(-1, *[1] * (decoded.dim() - 1))
             decoded.copy_(torch.where(mask, decoded.flip(-1), decoded))
         if not self.converts:

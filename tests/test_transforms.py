@@ -86,7 +86,7 @@ def test_centre_crop_default_shorter_side_is_torchvision_and_timms(feed, image_n
 
 def test_random_resized_crop_and_flip_match_the_reference(feed, data_dir, image_names):
     """The crop each sample gets is torchvision's box for its (seed, epoch, index), and its
-    pixels are Pillow's resize of that region (the window's sub-pixel position included)."""
+    pixels are Pillow's resize of exactly that box."""
     seed, epoch = 11, 3
     loader = feed.loader(files=image_names[:32], batch_size=8, size=(48, 48),
                          resize="random_resized_crop", flip=0.5, seed=seed, epoch=epoch)
@@ -96,15 +96,9 @@ def test_random_resized_crop_and_flip_match_the_reference(feed, data_dir, image_
         for row, i in enumerate(batch["index"].tolist()):
             image = _pil(data_dir / image_names[i])
             top, left, h, w = _reference_box(sample_rng(seed, epoch, i), image.height, image.width)
-            rule, _ = OutputTransform(spec, seed, epoch).choose(i)
-            place = rule(image.height, image.width)
-            # The decoder scales the whole image and keeps a 48 x 48 window: the region it
-            # shows is the box up to rounding its corner to whole output pixels.
-            sy, sx = place.scaled_h / image.height, place.scaled_w / image.width
-            assert abs(place.top / sy - top) <= 1 / sy and abs(place.left / sx - left) <= 1 / sx
-            assert abs(48 / sy - h) <= 2 / sy and abs(48 / sx - w) <= 2 / sx
-            region = (place.left / sx, place.top / sy, (place.left + 48) / sx, (place.top + 48) / sy)
-            ref = image.resize((48, 48), Image.BILINEAR, box=region)
+            assert OutputTransform(spec, seed, epoch).box(i, image.height, image.width) == \
+                (top, left, h, w)
+            ref = image.resize((48, 48), Image.BILINEAR, box=(left, top, left + w, top + h))
             if _flip(seed, epoch, i, 0.5):
                 ref, flips = ref.transpose(Image.FLIP_LEFT_RIGHT), flips + 1
             assert psnr(batch["image"][row].numpy(), _chw(ref)) >= MIN_PSNR_DB, image_names[i]
