@@ -365,7 +365,9 @@ def test_podman_compose_runs_the_stack_and_prometheus_scrapes_the_server(
     }}).replace("ports:", "ports: !override"))
     uid, gid = _container_user()
     project = f"gpufeed-test-{os.getpid()}"
-    argv = [compose, "--project-name", project,
+    # podman-compose 1.6 ignores ``ipc:``; this passes the service's to every container.
+    ipc = _merged_service("gpufeed")["ipc"]
+    argv = [compose, "--project-name", project, f"--podman-run-args=--ipc={ipc}",
             *[a for path in (_COMPOSE, _COMPOSE_CPU, override) for a in ("--file", str(path))]]
     env = {**podman.env, "GPUFEED_UID": str(uid), "GPUFEED_GID": str(gid),
            "GPUFEED_DATA": str(data_dir)}
