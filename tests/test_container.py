@@ -24,6 +24,7 @@ Every test skips, with the reason, where podman cannot run a container.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -53,7 +54,8 @@ pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
 _ROOT = Path(__file__).resolve().parents[1]
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpufeed" / "container"
 _BASE = "localhost/gpufeed-base:bookworm"
-_IMAGE = "localhost/gpufeed-server:test"
+# One tag per checkout, so two checkouts testing at once do not run each other's image.
+_IMAGE = f"localhost/gpufeed-server:test-{hashlib.sha1(str(_ROOT).encode()).hexdigest()[:8]}"
 _PROMETHEUS = "localhost/gpufeed-prometheus:test"
 _BASE_PACKAGES = "python3,python3-venv,python3-pip,ca-certificates"
 _NUM_IMAGES = 24
