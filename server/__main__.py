@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     lifecycle.info(
         "gpufeed-server ready on %s (data roots: %s; %d decode threads)",
         server.address, ", ".join(config.data_roots), config.threads)
-    stopping.wait()
+    # Timed waits: the kernel may hand SIGTERM to any of the server's threads, and
+    # Python runs the handler only when the main thread next runs Python code.
+    while not stopping.wait(0.5):
+        pass
     lifecycle.info("stopping")
     server.stop()
     return 0

@@ -238,8 +238,12 @@ def test_compose_reserves_a_gpu_and_the_cpu_override_drops_it(compose):
     cpu = merged["services"]["gpufeed"]
     assert "deploy" not in cpu, "the CPU override must drop the GPU reservation"
     assert "--device" not in cpu["command"], "the CPU override must not ask for a GPU"
-    same = {k: v for k, v in server.items() if k not in ("deploy", "command")}
-    assert same == {k: v for k, v in cpu.items() if k != "command"}
+    # The CPU variant of the image: a plain Python base gets the CPU build of torch.
+    assert not cpu["build"]["args"]["BASE_IMAGE"].startswith("pytorch/")
+    assert cpu["image"] != server["image"], "the two variants need their own image names"
+    assert {k: v for k, v in cpu["build"].items() if k != "args"} == server["build"]
+    same = {k: v for k, v in server.items() if k not in ("deploy", "command", "build", "image")}
+    assert same == {k: v for k, v in cpu.items() if k not in ("command", "build", "image")}
     assert merged["services"]["prometheus"] == compose["services"]["prometheus"]
 
 
@@ -265,6 +269,40 @@ def test_the_dashboard_names_only_metrics_the_server_exports(compose_server):
                    "gpufeed_stage_duration_seconds_bucket", "gpufeed_sample_failures_total",
                    "gpufeed_active_streams", "gpufeed_trainer_wait_seconds_bucket"):
         assert needed in used, f"no dashboard panel queries {needed}"
+
+
+def test_the_dashboard_shows_one_server_or_all(compose_server):
+    """A Server variable (all servers, or some) that every query filters on, and a
+    per-server breakdown of throughput, trainer wait and failures."""
+    [variable] = _dashboard()["templating"]["list"]
+    assert variable["name"] == "instance" and variable["includeAll"] and variable["multi"]
+    assert variable["allValue"] == ".*"
+    [metric] = re.findall(r"label_values\((\w+), instance\)", variable["definition"])
+    assert metric in {f.name for f in text_string_to_metric_families(compose_server["scrape"])}
+    for expr in _exprs():
+        selectors = re.findall(r"\b(gpufeed_\w+)(\{[^}]*\})?", expr)
+        unfiltered = [name for name, matchers in selectors if 'instance=~"$instance"' not in matchers]
+        assert not unfiltered, f"{expr!r} does not filter {unfiltered} by the Server variable"
+    by_server = {name for expr in _exprs() if re.search(r"by \([^)]*\binstance\b", expr)
+                 for name in _metric_names(expr)}
+    for needed in ("gpufeed_samples_total", "gpufeed_trainer_wait_seconds_sum",
+                   "gpufeed_trainer_wait_seconds_bucket", "gpufeed_sample_failures_total"):
+        assert needed in by_server, f"no panel breaks {needed} down by server"
+
+
+def test_each_dashboard_panel_has_its_unit():
+    units = {p["title"]: p["fieldConfig"]["defaults"]["unit"] for p in _dashboard()["panels"]}
+    for title, unit in units.items():
+        if "share" in title:
+            assert unit == "percentunit", title
+        elif "latency" in title or "wait time" in title:
+            assert unit == "s", title
+        elif "Bytes" in title:
+            assert unit == "Bps", title
+        elif title.startswith("Images/s"):
+            assert unit == "suffix: img/s", title
+        else:
+            assert unit != "short", f"{title}: say what it counts"
 
 
 def test_the_promql_name_parser():
@@ -318,7 +356,7 @@ def test_the_dockerfile_matches_the_compose_service(compose):
     base = _instruction("ARG")[0].split("=", 1)[1]
     assert base.startswith("pytorch/pytorch:") and "cuda" in base
     assert _instruction("FROM") == ["${BASE_IMAGE}"]
-    assert any('pip install ".[server]"' in run for run in _instruction("RUN"))
+    assert any(re.search(r'pip install (--\S+ \S+ )*"\.\[server\]"', run) for run in _instruction("RUN"))
     [user] = _instruction("USER")
     assert user.split(":")[0] not in ("root", "0")
     assert json.loads(_instruction("ENTRYPOINT")[0]) == ["gpufeed-server"]

@@ -299,9 +299,15 @@ def test_prometheus_scrapes_the_live_server(data_root, tmp_path):
             query = 'gpufeed_samples_total{transport="inline",job="gpufeed"}'
             _poll(lambda: _query_values(api.address, query) == [got["samples"]],
                   f"prometheus to report {query} == {got['samples']}", api.process)
+            # Every panel query, for all servers (the variable's "All") and for this
+            # one, evaluates and returns data once Prometheus has two scrapes to rate.
             for expr in _dashboard_exprs():
-                reply = _api(api.address, expr.replace("$__rate_interval", "1m"))
-                assert reply["status"] == "success", (expr, reply)
+                for instance in (".*", metrics):
+                    query = expr.replace("$__rate_interval", "1m").replace("$instance", instance)
+                    reply = _api(api.address, query)
+                    assert reply["status"] == "success", (query, reply)
+                    _poll(lambda: _query_values(api.address, query),
+                          f"data from the dashboard query {query}", api.process)
         finally:
             api.stop()
 
