@@ -122,14 +122,15 @@ class ImageDecoder:
                 frame = _decode_other(data, self._check_size)
             scaled_h, scaled_w, top, left = (place(frame.height, frame.width) if place
                                              else (height, width, 0, 0))
+            self._check_size(scaled_w, scaled_h, "scaling to")  # a crop of an extreme shape
             rgb = self._rgb.scale(frame, scaled_w, scaled_h)
         except av.FFmpegError as e:
             raise DecodeError(f"not a decodable image: {e}") from None
         self._rgb.copy(rgb, out, top, left)
 
-    def _check_size(self, width: int, height: int) -> None:
+    def _check_size(self, width: int, height: int, what: str = "image declares") -> None:
         if width * height > self._max_pixels:
-            raise DecodeError(f"image declares {width}x{height} pixels, over the limit of "
+            raise DecodeError(f"{what} {width}x{height} pixels, over the limit of "
                               f"{self._max_pixels} (gpufeed-server --max-pixels)")
 
     def _decode_jpeg(self, data: bytes) -> av.VideoFrame:

@@ -7,9 +7,11 @@ same samples and a stream can be resumed at any batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-__all__ = ["shard_order", "split_batches"]
+__all__ = ["Batches", "shard_order", "split_batches"]
 
 
 def shard_order(num_samples: int, *, rank: int, world_size: int,
@@ -25,7 +27,32 @@ def shard_order(num_samples: int, *, rank: int, world_size: int,
     return order
 
 
-def split_batches(order: np.ndarray, batch_size: int, drop_last: bool) -> list[np.ndarray]:
+class Batches(Sequence[np.ndarray]):
+    """Consecutive batches of ``batch_size`` indices of ``order``; the last may be short.
+
+    Batch k is a view of ``order`` made when asked for: a pass of millions of
+    samples is one array, not a list of a hundred thousand small ones.
+    """
+
+    def __init__(self, order: np.ndarray, batch_size: int, drop_last: bool):
+        self.order = order
+        self.batch_size = batch_size
+        self._stop = len(order) - len(order) % batch_size if drop_last else len(order)
+
+    def __len__(self) -> int:
+        return -(-self._stop // self.batch_size)
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        if not 0 <= k < len(self):
+            raise IndexError(f"batch {k} of {len(self)}")
+        start = k * self.batch_size
+        return self.order[start:min(start + self.batch_size, self._stop)]
+
+    def samples_from(self, k: int) -> int:
+        """How many samples batches k.. hold."""
+        return max(0, self._stop - k * self.batch_size)
+
+
+def split_batches(order: np.ndarray, batch_size: int, drop_last: bool) -> Batches:
     """Consecutive batches of ``batch_size`` indices; the last may be short."""
-    stop = len(order) - len(order) % batch_size if drop_last else len(order)
-    return [order[i:i + batch_size] for i in range(0, stop, batch_size)]
+    return Batches(order, batch_size, drop_last)

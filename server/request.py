@@ -2,14 +2,22 @@
 
 Every check names the request field at fault. Nothing here decodes or reads
 sample files (a missing or corrupt sample fails only that sample, later); only
-the list file, when one is named, is read here.
+the list file, when one is named, is read here (at most ``--max-list-bytes``,
+and at most ``--max-samples`` of its lines are worked on).
+
+A plan is kept compact (names packed, batches as views of one order array, see
+names.py and order.py): its size, ``StreamPlan.nbytes``, counts against the
+server's memory budget with the stream's ring.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-from dataclasses import dataclass
+import weakref
+from array import array
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -18,16 +26,21 @@ import torch
 from gpufeed.v1 import feed_pb2
 
 from .arrays import read_arrays
+from .budget import default_memory_bytes, return_free_memory
 from .decode import DecodeError
-from .paths import DataRoots, OutsideDataRoots
+from .names import SampleNames, TooManyNames
+from .paths import DataRoots, FileTooLarge, LocatedPaths, OutsideDataRoots
 from .ring import BatchLayout
 from .samples import ARRAYS, VIDEO, ArrayRows, ImageRows, VideoRows, sample_kind
-from .order import shard_order, split_batches
+from .order import Batches, shard_order, split_batches
 from .transform import OutputTransform
 
 __all__ = ["Limits", "RequestError", "StreamPlan", "plan_stream"]
 
 _MAX_SIDE = 8192
+_LIST_CHUNK = 1 << 20  # bytes of a list file decoded at a time
+# A plan this large gives the allocator's free memory back to the system when it goes.
+_TRIM_AFTER_BYTES = 8 << 20
 
 
 class RequestError(Exception):
@@ -52,17 +65,21 @@ class Limits:
     max_prefetch: int = 16
     max_batch_bytes: int = 1 << 30
     max_samples: int = 10_000_000
+    # A list file larger than this is refused before it is read (~12M lines of 40 bytes).
+    max_list_bytes: int = 512 << 20
+    # Every open stream's ring and plan together (service.py, budget.py).
+    max_memory_bytes: int = field(default_factory=default_memory_bytes)
 
 
 @dataclass
 class StreamPlan:
     """Everything a stream needs, checked: located paths, labels, batches, output."""
 
-    paths: list[str]
+    paths: LocatedPaths
     reader: ImageRows | VideoRows | ArrayRows
     labels: np.ndarray | None
     classes: list[str]
-    batches: list[np.ndarray]
+    batches: Batches
     start_batch: int
     layout: BatchLayout
     transform: OutputTransform | None
@@ -78,7 +95,13 @@ class StreamPlan:
 
     @property
     def num_samples(self) -> int:
-        return sum(len(b) for b in self.batches[self.start_batch:])
+        return self.batches.samples_from(self.start_batch)
+
+    @property
+    def nbytes(self) -> int:
+        """What the plan keeps in memory: packed names, sample order, labels."""
+        labels = 0 if self.labels is None else self.labels.nbytes
+        return self.paths.names.nbytes + self.batches.order.nbytes + labels
 
 
 def _invalid(message: str) -> RequestError:
@@ -87,14 +110,10 @@ def _invalid(message: str) -> RequestError:
 
 def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                 transports: tuple[int, ...]) -> StreamPlan:
-    names, listed_labels = _sample_names(req, roots)
+    names, listed_labels = _sample_names(req, roots, limits)
     if not names:
         raise _invalid("samples: the list is empty")
-    if len(names) > limits.max_samples:
-        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"samples: {len(names)} samples is over the server's --max-samples "
-                           f"{limits.max_samples}")
-    paths = _locate_all(names, req.prefix, roots)
+    paths = _located(names, req.prefix, roots)
     labels, classes = _labels(req, names, listed_labels)
     try:
         kind = sample_kind(names)
@@ -140,13 +159,16 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     if not 0 <= req.start_batch <= len(batches):
         raise _invalid(f"start_batch must be in 0..{len(batches)} (batches in this stream), "
                        f"got {req.start_batch}")
-    return StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,
+    plan = StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,
                       batches=batches,
                       start_batch=req.start_batch, layout=layout, transform=transform,
                       transport=transport,
                       prefetch=prefetch,
                       max_failures=_failure_budget(req, sum(len(b) for b in batches), limits),
                       lease_timeout=limits.lease_timeout)
+    if plan.nbytes >= _TRIM_AFTER_BYTES:
+        weakref.finalize(plan, return_free_memory)
+    return plan
 
 
 def _served_batches(req: feed_pb2.StreamRequest, batches: list[np.ndarray]
@@ -179,6 +201,9 @@ def _pixels(req: feed_pb2.StreamRequest, kind: str) -> tuple[OutputTransform, ob
     if not (0 < height <= _MAX_SIDE and 0 < width <= _MAX_SIDE):
         raise _invalid(f"output: size must be within 1..{_MAX_SIDE} on each side, "
                        f"got ({height}, {width})")
+    if not 0 <= req.output.shorter_side <= _MAX_SIDE:  # images are scaled to it before the crop
+        raise _invalid(f"output.shorter_side must be within 0..{_MAX_SIDE}, "
+                       f"got {req.output.shorter_side}")
     clip = req.clip
     if kind == VIDEO:
         if clip.frames <= 0 or clip.stride < 0:
@@ -202,7 +227,7 @@ def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarra
     """The first sample's arrays, which set the stream's layout."""
     try:
         with os.fdopen(roots.open_checked(path), "rb") as file:
-            first = read_arrays(file, posixpath.splitext(path)[1])
+            first = read_arrays(file, posixpath.splitext(path)[1], roots.max_file_bytes)
     except OutsideDataRoots as e:
         raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"samples[0]: {e}") from None
     except FileNotFoundError:
@@ -244,8 +269,8 @@ def _image_layout(batch_size: int, transform: OutputTransform, with_labels: bool
     return BatchLayout(batch_size, arrays, tuple(private))
 
 
-def _labels(req: feed_pb2.StreamRequest, names: list[str],
-            listed: list[int] | None) -> tuple[np.ndarray | None, list[str]]:
+def _labels(req: feed_pb2.StreamRequest, names: SampleNames,
+            listed: np.ndarray | None) -> tuple[np.ndarray | None, list[str]]:
     """Per-sample labels (or None) and, for folder labels, the class names."""
     source = req.label_source
     if req.labels and source != feed_pb2.LABELS_FROM_REQUEST:
@@ -259,58 +284,106 @@ def _labels(req: feed_pb2.StreamRequest, names: list[str],
     if source == feed_pb2.LABELS_FROM_LIST_FILE:
         if listed is None:
             raise _invalid("label_source: LABELS_FROM_LIST_FILE needs a list_file")
-        return np.asarray(listed, dtype=np.int64), []
+        return listed, []
     if source == feed_pb2.LABELS_FROM_FOLDER:
-        folders = [posixpath.basename(posixpath.dirname(posixpath.normpath(n))) for n in names]
-        if not all(folders):
-            bad = next(n for n, f in zip(names, folders) if not f)
-            raise _invalid(f"label_source: LABELS_FROM_FOLDER needs every sample in a folder, "
-                           f"{bad!r} is not")
-        classes = sorted(set(folders))
-        number = {name: i for i, name in enumerate(classes)}
-        return np.asarray([number[f] for f in folders], dtype=np.int64), classes
+        return _folder_labels(names)
     raise _invalid(f"label_source: unknown value {source}")
 
 
-def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots
-                  ) -> tuple[list[str], list[int] | None]:
+def _folder_labels(names: SampleNames) -> tuple[np.ndarray, list[str]]:
+    """Each sample's parent folder as a class number; the classes, sorted."""
+    seen: dict[str, int] = {}  # folder -> number in order of first sight
+    numbers = np.empty(len(names), np.int64)
+    for i, name in enumerate(names):
+        folder = posixpath.basename(posixpath.dirname(posixpath.normpath(name)))
+        if not folder:
+            raise _invalid(f"label_source: LABELS_FROM_FOLDER needs every sample in a folder, "
+                           f"{name!r} is not")
+        numbers[i] = seen.setdefault(folder, len(seen))
+    classes = sorted(seen)
+    sorted_number = np.empty(len(classes), np.int64)
+    for i, folder in enumerate(classes):
+        sorted_number[seen[folder]] = i
+    return sorted_number[numbers], classes
+
+
+def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits
+                  ) -> tuple[SampleNames, np.ndarray | None]:
     """The sample names, and the list file's labels when label_source asks for them."""
     kind = req.WhichOneof("samples")
     if kind == "files":
-        return list(req.files.paths), None
+        return _pack(req.files.paths, limits), None
     if kind != "list_file":
         raise _invalid("samples: give either files or list_file")
     try:
-        path = roots.locate(req.list_file)
-        text = roots.read(path).decode("utf-8")
+        data = roots.read(roots.locate(req.list_file), limits.max_list_bytes, "--max-list-bytes")
     except OutsideDataRoots as e:
         raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"list_file: {e}") from None
     except (FileNotFoundError, IsADirectoryError):
         raise RequestError(grpc.StatusCode.NOT_FOUND,
                            f"list_file: {req.list_file!r} not found under the data roots") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except FileTooLarge as e:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"list_file: {req.list_file!r} is a {e}") from None
+    except OSError as e:
         raise _invalid(f"list_file: cannot read {req.list_file!r}: {e}") from None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = _list_lines(data)
     if req.label_source != feed_pb2.LABELS_FROM_LIST_FILE:
-        return lines, None
-    names, labels = [], []
+        return _pack(lines, limits, req.list_file), None
+    labels = array("q")
+    names = _pack(_split_labels(lines, labels), limits, req.list_file)
+    return names, np.frombuffer(labels, np.int64) if labels else np.zeros(0, np.int64)
+
+
+def _pack(names: Iterable[str], limits: Limits, list_file: str = "") -> SampleNames:
+    try:
+        return SampleNames.pack(names, limit=limits.max_samples)
+    except TooManyNames:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"samples: more than {limits.max_samples} samples, over the "
+                           f"server's --max-samples {limits.max_samples}") from None
+    except UnicodeDecodeError as e:
+        raise _invalid(f"list_file: cannot read {list_file!r}: {e}") from None
+
+
+def _list_lines(data: bytes) -> Iterator[str]:
+    """The non-blank lines of a list file, stripped, decoded a chunk at a time: no
+    list of every line is ever made."""
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n", start + _LIST_CHUNK)
+        end = len(data) if end < 0 else end + 1
+        for line in data[start:end].decode("utf-8").splitlines():
+            if line := line.strip():
+                yield line
+        start = end
+
+
+def _split_labels(lines: Iterable[str], labels: array) -> Iterator[str]:
+    """The names of ``path<TAB>label`` lines; their labels are appended to ``labels``."""
     for number, line in enumerate(lines, 1):
         name, tab, label = line.rpartition("\t")
         try:
             labels.append(int(label))
-        except ValueError:
+        except (ValueError, OverflowError):
             tab = ""
         if not tab:
             raise _invalid(f"list_file: line {number} is not `path<TAB>integer label`: {line!r}")
-        names.append(name)
-    return names, labels
+        yield name
 
 
-def _locate_all(names: list[str], prefix: str, roots: DataRoots) -> list[str]:
-    paths = []
+def _located(names: SampleNames, prefix: str, roots: DataRoots) -> LocatedPaths:
+    """The names' paths, every one checked to lie under the roots (lexically) now.
+
+    A relative name without ``..`` after a relative prefix without one cannot
+    leave the roots: when no name has either, the per-name check is skipped.
+    """
+    if not (os.path.isabs(prefix) or ".." in prefix or names.contains("..")
+            or (not prefix and names.any_starts_with("/"))):
+        return LocatedPaths(names, prefix, roots)
     for i, name in enumerate(names):
         try:
-            paths.append(roots.locate(prefix + name))
+            roots.locate(prefix + name)
         except OutsideDataRoots as e:
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"samples[{i}]: {e}") from None
-    return paths
+    return LocatedPaths(names, prefix, roots)

@@ -21,6 +21,7 @@ import numpy as np
 import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
+from .budget import MemoryBudget, MemoryExhausted
 from .metrics import ServerMetrics
 from .paths import DataRoots
 from .pool import DecodePool
@@ -54,6 +55,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         self._open_streams = 0  # counted from admission, before their Stream exists
         self._draining = False
         self._jobs = JobRegistry()
+        self._memory = MemoryBudget(limits.max_memory_bytes)  # every stream's ring and plan
         self._lock = threading.Condition()
         self.transports = (feed_pb2.TRANSPORT_INLINE, feed_pb2.TRANSPORT_SHM)
         self._gpu_uuid = ""
@@ -82,15 +84,26 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         refusal = self._enter()
         if refusal is not None:
             context.abort(*refusal)
+        reserved = 0
         try:
             try:
                 plan = plan_stream(first.open, self._roots, self._limits, self.transports)
+                reserved = self._memory.reserve(
+                    plan.num_slots * plan.layout.slot_bytes + plan.nbytes,
+                    f"this stream ({plan.num_slots} slots of {plan.layout.slot_bytes} bytes, "
+                    f"and {plan.nbytes} for its sample list)")
                 job = self._jobs.join(first.open, plan) if first.open.job else None
                 memory = self._slot_memory(plan)
-            except RequestError as e:
-                context.abort(e.code, str(e))
+            except (RequestError, MemoryExhausted) as e:
+                refusal = e.code, str(e)
+            else:
+                refusal = None
+            if refusal is not None:  # aborted outside `except`: see _serve
+                plan = None
+                context.abort(*refusal)
             yield from self._serve(plan, job, memory, request_iterator, context)
         finally:
+            self._memory.give_back(reserved)
             with self._lock:
                 self._open_streams -= 1
                 self._lock.notify_all()
@@ -146,6 +159,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         with self._lock:
             self._streams.add(stream)
         header_sent_at = None
+        ending = None
         try:
             if job is not None:
                 job.add_consumer(stream.wake)
@@ -173,8 +187,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 yield message  # returns once gRPC has taken the message
                 self._metrics.sent(plan.transport, message, time.perf_counter() - sending)
         except StreamCancelled as e:
-            if e.code is not None:
-                context.abort(e.code, e.message)
+            ending = e.code, e.message
         finally:
             with self._lock:
                 self._streams.discard(stream)
@@ -189,6 +202,10 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 segment.close()
             if device_ring is not None:
                 device_ring.close(opened=stream.attached)
+        # Aborting inside `except` would leave the exception, this frame and the stream
+        # (with its plan) in a reference cycle, freed only at a garbage collection.
+        if ending is not None and ending[0] is not None:
+            context.abort(*ending)
 
 
 def _read_client(request_iterator, stream: Stream, segment) -> None:
