@@ -22,7 +22,7 @@ from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
-from support import wait_until
+from support import status_mb, wait_until
 
 _MEMORY = 3_000_000  # a stream of 5 slots of 32 images of 64x64 (~2 MB) fits; two do not
 _FILE = 1_000_000
@@ -178,14 +178,6 @@ def test_sizes_derived_from_options_are_bounded(feed):
                for _, why in loader.failures)
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_memory_returns_after_large_plans_and_abandoned_jobs(tmp_path):
     """Six sequential 2M-sample streams once left a server 1.8 GB larger, and four abandoned
     shared jobs of 2M samples 1.3 GB larger: plans are compact, jobs do not keep them, and
@@ -207,9 +199,51 @@ def test_memory_returns_after_large_plans_and_abandoned_jobs(tmp_path):
         stub = feed_pb2_grpc.FeedStub(channel)
         pid = server.proc.pid
         open_and_leave(stub, "")  # warm up: imports, thread stacks, gRPC's buffers
-        assert wait_until(lambda: _rss_mb(pid) < 400, timeout=60)
-        start = _rss_mb(pid)
+        assert wait_until(lambda: status_mb(pid) < 400, timeout=60)
+        start = status_mb(pid)
         for k in range(4):
             open_and_leave(stub, f"job-{k}" if k % 2 else "")
         # On the old server each of these kept ~150 MB (a plan in an abandoned job, ~300 MB).
-        assert wait_until(lambda: _rss_mb(pid) < start + 60, timeout=60), (start, _rss_mb(pid))
+        assert wait_until(lambda: status_mb(pid) < start + 60, timeout=60), (start, status_mb(pid))
+
+
+class _Plan:
+    """What a job is made from (a stand-in for a StreamPlan of three batches)."""
+
+    batches = [np.arange(2)] * 3
+
+
+def _job_request(name: str) -> feed_pb2.StreamRequest:
+    return feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=["a.jpg"]), batch_size=2,
+                                  job=name)
+
+
+def test_a_shared_job_keeps_no_plan_and_idle_jobs_are_bounded():
+    """Four abandoned 2M-sample jobs once held 1.3 GB: a job keeps its place, not its plan,
+    and jobs without a consumer are kept up to a bound, the one idle longest forgotten first."""
+    import weakref
+
+    from gpufeed.server.sources import JobRegistry
+
+    registry = JobRegistry()
+
+    def abandon(name: str, plan: _Plan):
+        """A job whose one consumer took a batch and left."""
+        job = registry.join(_job_request(name), plan)
+        wake = lambda: None  # noqa: E731
+        job.add_consumer(wake)
+        job.claim()
+        job.remove_consumer(wake)
+        return job
+
+    plan = _Plan()
+    planned = weakref.ref(plan)
+    abandon("first", plan)
+    del plan
+    assert planned() is None  # the consumer's plan went with its stream
+
+    kept = abandon("kept", _Plan())
+    assert registry.join(_job_request("kept"), _Plan()) is kept  # rejoined: the same pass
+    for i in range(300):
+        abandon(f"other-{i}", _Plan())
+    assert registry.join(_job_request("kept"), _Plan()) is not kept  # forgotten: a new pass
