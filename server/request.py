@@ -164,15 +164,14 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                       start_batch=req.start_batch, layout=layout, transform=transform,
                       transport=transport,
                       prefetch=prefetch,
-                      max_failures=_failure_budget(req, sum(len(b) for b in batches), limits),
+                      max_failures=_failure_budget(req, batches.samples_from(0), limits),
                       lease_timeout=limits.lease_timeout)
     if plan.nbytes >= _TRIM_AFTER_BYTES:
         weakref.finalize(plan, return_free_memory)
     return plan
 
 
-def _served_batches(req: feed_pb2.StreamRequest, batches: list[np.ndarray]
-                    ) -> list[np.ndarray]:
+def _served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:
     """The pass's batches this stream serves: every ``batch_stride``-th from ``batch_offset``."""
     stride = req.batch_stride or 1
     if stride < 0:
