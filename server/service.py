@@ -227,8 +227,11 @@ def _read_client(request_iterator, stream: Stream, segment) -> None:
                 if segment is not None:
                     segment.unlink()
                 stream.attach()
-    except grpc.RpcError:
-        pass  # the call ended; the handler cleans up
+    except grpc.RpcError as e:  # the call ended; the handler cleans up
+        # gRPC keeps this error in the call's state, which the traceback's frames refer
+        # to: a cycle through this frame that would keep the stream (and its plan)
+        # until a garbage collection.
+        e.__traceback__ = None
     except Exception as e:
         _log.exception("client reader failed")
         stream.cancel(grpc.StatusCode.INTERNAL, f"server error reading the client's messages: {e}")
