@@ -13,6 +13,13 @@ it, prints a table per minute and a verdict line (RSS of the first minute
 against the last, file descriptors min/max), and writes the whole record as
 JSON to ``--out`` (``soak-latest.json`` is the last one).
 
+With ``--mix both`` (the default) the first half of the run is clean and the
+second adds an adversarial mix beside the trainers (bench/adversary.py: idle
+calls that never send ``open``, oversized requests, a stream of bad files); the
+verdict compares the trainers' images/s in the two halves, and the report says
+how each adversarial call ended. ``--mix clean`` or ``adversarial`` runs one
+kind for the whole time.
+
 This is a benchmark, not a test: nothing here fails on a threshold. The
 verdict's "flat" means the last minute's mean RSS is within ``--tolerance-mb``
 or ``--tolerance-pct`` of the first minute's, whichever is larger.
@@ -28,6 +35,7 @@ import time
 from pathlib import Path
 
 from . import dataset
+from .adversary import Adversary, make_bad_files
 from .measure import write_report
 from .trainer import TrainerProcess
 
@@ -51,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="server decode threads (default: cores, %(default)s)")
     p.add_argument("--transports", default="shm,inline",
                    help="one trainer per transport (default %(default)s)")
+    p.add_argument("--mix", choices=("both", "clean", "adversarial"), default="both",
+                   help="clean, adversarial, or both: a clean first half, then the adversarial "
+                        "mix beside the trainers (default %(default)s)")
+    p.add_argument("--idle-calls", type=int, default=4,
+                   help="adversarial calls held open at a time without `open` (default %(default)s)")
     p.add_argument("--tolerance-mb", type=float, default=10.0)
     p.add_argument("--tolerance-pct", type=float, default=5.0)
     return p
@@ -122,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     data = dataset.build(args.data_dir / f"jpeg{args.images}", args.images, log=_say)
     _say(f"data set: {len(data.names)} JPEGs ({data.root}); load average "
          f"{_loadavg()}; streaming for {args.minutes:g} min, a sample every {args.interval:g} s")
+    bad_files = (make_bad_files(data.root, (data.root / data.names[0]).read_bytes())
+                 if args.mix != "clean" else [])
     shm_before = set(_shm_entries())
     server = ServerProcess(["--data-root", str(data.root.resolve()), "--threads", str(args.threads)])
     server.start()
@@ -131,9 +146,13 @@ def main(argv: list[str] | None = None) -> dict:
     trainers = [TrainerProcess(server.address, data.list_file.name, transport=t, passes=0,
                                batch_size=args.batch_size, size=str(args.size))
                 for t in transports]
+    adversary = Adversary(server.address, bad_files, idle_calls=args.idle_calls) \
+        if bad_files else None
+    adversarial_from = {"both": 30 * args.minutes, "adversarial": 0.0}.get(args.mix)
     samples: list[dict] = []
     stopped_early = ""
     started = time.monotonic()
+    attacked = False
     try:
         for trainer in trainers:
             if not trainer.ready.wait(120) or trainer.proc.poll() is not None:
@@ -148,12 +167,17 @@ def main(argv: list[str] | None = None) -> dict:
         end = started + 60 * args.minutes
         next_at = started + args.interval
         while True:
+            if adversary and not attacked and next_at - started > adversarial_from:
+                _say(f"{next_at - args.interval - started:6.0f} | adversarial mix starts")
+                adversary.start()
+                attacked = True
             time.sleep(max(0.0, next_at - time.monotonic()))
             now = time.monotonic()
             status = _status(pid)
             images = [t.images for t in trainers]
             sample = {
                 "t": now - started, "due": next_at - started, "rss_kb": status["VmRSS"], "hwm_kb": status["VmHWM"],
+                "phase": "adversarial" if attacked else "clean",
                 "rss_anon_kb": status.get("RssAnon", 0), "rss_shmem_kb": status.get("RssShmem", 0),
                 "rss_file_kb": status.get("RssFile", 0),
                 "threads": status["Threads"], "fds": _fds(pid), **_shm_held(pid),
@@ -187,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
                 break
             next_at += args.interval
     finally:
+        attacks = adversary.stop() if attacked else {}
         codes = {t.transport: t.stop() for t in trainers}
         try:
             server_exit = server.stop(60)
@@ -203,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
         "cores": len(os.sched_getaffinity(0)),
         "samples": samples,
         "minutes": _per_minute(samples, transports),
+        "phases": _per_phase(samples, transports),
+        "adversary": attacks,
         "trainers": {t.transport: {"exit_code": codes[t.transport], "error": t.error,
                                    "totals": t.done} for t in trainers},
         "server_exit_code": server_exit,
@@ -213,6 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     report["verdict"] = _verdict(report, args)
     print(format_table(report), flush=True)
+    if attacks:
+        print("adversarial calls: " + "; ".join(f"{what}: {n}" for what, n in sorted(attacks.items())),
+              flush=True)
     print(report["verdict"]["line"], flush=True)
     _say(f"wrote {write_report(report, args.out, 'soak', 'soak-latest.json')}")
     return report
@@ -252,6 +282,29 @@ def _per_minute(samples: list[dict], transports: list[str]) -> list[dict]:
     return out
 
 
+def _per_phase(samples: list[dict], transports: list[str]) -> dict[str, dict[str, float]]:
+    """Each trainer's images/s over each phase (clean, adversarial), from its first sample on."""
+    out = {}
+    for phase in ("clean", "adversarial"):
+        group = [s for s in samples if s.get("phase") == phase]
+        if len(group) >= 2:
+            seconds = group[-1]["t"] - group[0]["t"]
+            out[phase] = {t: (group[-1]["images"][t] - group[0]["images"][t]) / seconds
+                          for t in transports}
+    return out
+
+
+def _throughput(phases: dict) -> str:
+    """The adversarial phase's images/s against the clean phase's, per trainer."""
+    if len(phases) < 2:
+        return ""
+    clean, attacked = phases["clean"], phases["adversarial"]
+    each = ", ".join(f"{t} {attacked[t]:.0f}/{clean[t]:.0f}" for t in clean)
+    ratio = sum(attacked.values()) / max(sum(clean.values()), 1e-9)
+    return (f"; trainers' images/s with the adversarial mix: {100 * ratio:.0f}% of the clean "
+            f"half ({each})")
+
+
 def _verdict(report: dict, args) -> dict:
     minutes, samples = report["minutes"], report["samples"]
     if not minutes:
@@ -283,6 +336,7 @@ def _verdict(report: dict, args) -> dict:
             f"(last minute's max {minutes[-1]['fds_max']}, first half's {fds_ceiling}); "
             f"{images} images delivered; server exit {report['server_exit_code']}, "
             f"/dev/shm left behind: {len(report['shm_left_behind'])}"
+            + _throughput(report.get("phases", {}))
             + (f"; STOPPED EARLY: {report['stopped_early']}" if report["stopped_early"] else ""))
     return {"flat": flat, "rss_growth_from_minute_2_mb": (last["rss_mb_mean"] - second["rss_mb_mean"]
                                                           if second else None),

@@ -14,6 +14,7 @@ try:
     from . import jpeg
     from .app import FeedServer, ServerConfig, default_threads
     from .auth import read_token
+    from .budget import default_memory_bytes
     from .request import Limits
 except ModuleNotFoundError as e:
     # A trainer image installs gpufeed alone; say what is missing rather than a traceback.
@@ -51,6 +52,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pixels", type=int, default=ServerConfig.max_pixels,
                    help="refuse images declaring more pixels, before decoding "
                         "(decompression bombs; default %(default)s)")
+    p.add_argument("--max-file-bytes", type=int, default=ServerConfig.max_file_bytes,
+                   help="refuse sample files larger than this, or not regular files, before "
+                        "reading them; also bounds arrays' decompressed size "
+                        "(default %(default)s)")
+    p.add_argument("--max-list-bytes", type=int, default=Limits.max_list_bytes,
+                   help="largest list file a request may name (default %(default)s)")
+    p.add_argument("--max-memory-bytes", type=int, default=default_memory_bytes(),
+                   help="memory all open streams' rings and sample lists may take together "
+                        "(default: half of the host's or the cgroup's memory, here %(default)s)")
     p.add_argument("--lease-timeout", type=float, default=Limits.lease_timeout,
                    help="seconds a trainer may hold every slot before its stream is ended "
                         "(it can resume; default %(default)s)")
@@ -95,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             data_roots=args.data_root, listen=args.listen, threads=args.threads, device=args.device,
             metrics_port=args.metrics_port, max_streams=args.max_streams,
             limits=Limits(max_prefetch=args.max_prefetch, max_batch_bytes=args.max_batch_bytes,
-                          max_samples=args.max_samples, lease_timeout=args.lease_timeout),
+                          max_samples=args.max_samples, lease_timeout=args.lease_timeout,
+                          max_list_bytes=args.max_list_bytes,
+                          max_memory_bytes=args.max_memory_bytes),
             max_request_bytes=args.max_request_bytes, max_pixels=args.max_pixels,
+            max_file_bytes=args.max_file_bytes,
             drain_seconds=args.drain_seconds, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
             token=read_token(args.token_file) if args.token_file else None,

@@ -20,7 +20,7 @@ from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 from .auth import TokenInterceptor, server_credentials
 from .decode import DEFAULT_MAX_PIXELS
 from .metrics import ServerMetrics
-from .paths import DataRoots
+from .paths import DEFAULT_MAX_FILE_BYTES, DataRoots
 from .pool import DecodePool
 from .request import Limits
 from .service import FeedServicer
@@ -50,6 +50,8 @@ class ServerConfig:
     max_request_bytes: int = 64 << 20
     # Images declaring more pixels are refused before decoding (decompression bombs).
     max_pixels: int = DEFAULT_MAX_PIXELS
+    # Sample files larger than this (or not regular files) fail before they are read.
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     # On SIGTERM, open streams get this long to finish before they end UNAVAILABLE.
     drain_seconds: float = 5.0
     # TLS (cert + key; client_ca also demands client certificates) and a bearer token.
@@ -75,7 +77,7 @@ _GRPC_OPTIONS = [
 class FeedServer:
     def __init__(self, config: ServerConfig):
         self.config = config
-        self._roots = DataRoots(config.data_roots)
+        self._roots = DataRoots(config.data_roots, config.max_file_bytes)
         device = None
         if config.device != "cpu":
             from .cuda_ipc import check_device

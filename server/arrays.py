@@ -11,6 +11,12 @@ are paged in once, straight into the batch copy, instead of being read into a
 temporary array first. ``.npz`` members are zip entries (possibly compressed)
 and are read whole.
 
+Sizes are checked before anything is allocated for them: a zip's (``.npz``,
+``.pt``) members may declare at most ``max_bytes`` uncompressed in all
+(``--max-file-bytes``, the limit on a file on disk), and an ``.npz`` member's
+array header may not declare more than its member holds. Otherwise a 1.4 MB
+``.npz`` could make numpy allocate 1.4 GB for an array it then fails to fill.
+
 A batch is assembled by key: ``array_layout`` takes names, dtypes and per-sample
 shapes from the first sample, and ``check`` refuses any later sample that
 differs, naming the key and both layouts.
@@ -29,6 +35,7 @@ import numpy as np
 import torch
 
 from .decode import DecodeError
+from .paths import DEFAULT_MAX_FILE_BYTES
 
 __all__ = ["ArraySpec", "array_layout", "check", "read_arrays"]
 
@@ -53,23 +60,27 @@ class ArraySpec:
         return f"{self.dtype} {list(self.shape)}"
 
 
-def read_arrays(file: BinaryIO | str | os.PathLike, suffix: str) -> dict[str, np.ndarray]:
+def read_arrays(file: BinaryIO | str | os.PathLike, suffix: str,
+                max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> dict[str, np.ndarray]:
     """The arrays in one sample's file, by key; ``suffix`` (".npy", ".npz", ".pt") picks the format.
 
     An ``.npy`` holds one array, returned under the key ``"array"``; it is
     memory-mapped (read-only) when ``file`` is a path or a real file. An
     ``.npz`` gives one entry per member, a ``.pt`` one per state-dict key (a
     bare tensor is ``"array"``). Raises DecodeError for anything that would need
-    pickle, a corrupt file, or a .pt value that is not a tensor.
+    pickle, a corrupt file, a .pt value that is not a tensor, or sizes declared
+    over ``max_bytes``.
     """
     suffix = suffix.lower()
     try:
         if suffix == ".npy":
             arrays = {"array": _read_npy(file)}
         elif suffix == ".npz":
+            _check_zip(file, max_bytes, npy_members=True)
             with np.load(file, allow_pickle=False) as npz:
                 arrays = {key: npz[key] for key in npz.files}
         elif suffix in (".pt", ".pth"):
+            _check_zip(file, max_bytes, npy_members=False)
             arrays = _read_torch(file)
         else:
             raise DecodeError(f"unsupported array file {suffix!r}: use .npy, .npz or .pt")
@@ -114,6 +125,46 @@ def _numpy_reason(message: str, suffix: str) -> str:
     if "pickled" in message:  # np.load falls back to pickle for anything not .npy/.npz
         return f"not a {suffix} file (anything else would need pickle, which gpufeed never loads)"
     return f"not a valid {suffix} file: {message}"
+
+
+def _check_zip(file, max_bytes: int, *, npy_members: bool) -> None:
+    """Refuse a zip whose members declare more than ``max_bytes`` uncompressed, or (an
+    .npz) whose .npy headers declare more array than their members hold.
+
+    A file that is not a zip is left to numpy or torch to refuse (or, a .pt, to
+    load in torch's legacy format, no larger than its file).
+    """
+    start = file.tell() if hasattr(file, "tell") else None
+    try:
+        if zipfile.is_zipfile(file):
+            _check_zip_members(file, max_bytes, npy_members)
+    finally:
+        if start is not None:
+            file.seek(start)
+
+
+def _check_zip_members(file, max_bytes: int, npy_members: bool) -> None:
+    with zipfile.ZipFile(file) as archive:
+        members = archive.infolist()
+        total = sum(info.file_size for info in members)
+        if total > max_bytes:
+            raise DecodeError(f"its members declare {total} bytes uncompressed, over the limit "
+                              f"of {max_bytes} (gpufeed-server --max-file-bytes)")
+        for info in members if npy_members else ():
+            with archive.open(info) as member:
+                declared = _npy_bytes(member)
+            if declared > info.file_size:
+                raise DecodeError(f"{info.filename!r} declares an array of {declared} bytes in "
+                                  f"a member of {info.file_size}")
+
+
+def _npy_bytes(member) -> int:
+    """The bytes of array the .npy header at the start of ``member`` declares."""
+    read_header = _HEADER_READERS.get(np.lib.format.read_magic(member))
+    if read_header is None:
+        raise DecodeError("unsupported .npy format version")
+    shape, _, dtype = read_header(member)
+    return dtype.itemsize * math.prod(shape)
 
 
 def _read_npy(file) -> np.ndarray:

@@ -152,14 +152,15 @@ class ImageDecoder:
             scaled_h, scaled_w, top, left = (
                 _placement(box, frame.height, frame.width, height, width) if box is not None
                 else (height, width, 0, 0))
+            self._check_size(scaled_w, scaled_h, "scaling to")  # a crop of an extreme shape
             rgb = self._rgb.scale(frame, scaled_w, scaled_h)
         except av.FFmpegError as e:
             raise DecodeError(f"not a decodable image: {e}") from None
         self._rgb.copy(rgb, out, top, left, flip)
 
-    def _check_size(self, width: int, height: int) -> None:
+    def _check_size(self, width: int, height: int, what: str = "image declares") -> None:
         if width * height > self._max_pixels:
-            raise DecodeError(f"image declares {width}x{height} pixels, over the limit of "
+            raise DecodeError(f"{what} {width}x{height} pixels, over the limit of "
                               f"{self._max_pixels} (gpufeed-server --max-pixels)")
 
     def _decode_jpeg(self, data: bytes) -> av.VideoFrame:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,10 +57,11 @@ class Listing:
 
 @dataclass
 class SampleFiles:
-    """A request's samples after directories are listed: names for messages, located paths."""
+    """A request's samples after directories are listed: names for messages, located
+    paths (packed sequences, request.py), and which of them came from which listing."""
 
-    names: list[str] = field(default_factory=list)
-    paths: list[str] = field(default_factory=list)
+    names: Sequence[str]
+    paths: Sequence[str]
     listings: list[Listing] = field(default_factory=list)
 
 

@@ -10,21 +10,45 @@ given) or absolute under one. Two checks keep reads inside the roots:
   /proc/self/fd after opening, so a symlink swapped in meanwhile cannot slip
   through) must still lie under a root, so a symlink pointing outside fails
   that sample instead of leaking it.
+
+What is read must also be a regular file of at most ``max_file_bytes``
+(``--max-file-bytes``), checked with fstat on the opened descriptor before a
+byte is read: a device or FIFO linked under a root, or a huge (say, sparse)
+file, fails that sample instead of filling the server's memory.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
+from collections.abc import Sequence
 
-__all__ = ["DataRoots", "OutsideDataRoots"]
+__all__ = ["DEFAULT_MAX_FILE_BYTES", "DataRoots", "FileTooLarge", "LocatedPaths",
+           "NotReadable", "OutsideDataRoots"]
+
+# Sample files larger than this are refused before reading (gpufeed-server --max-file-bytes).
+DEFAULT_MAX_FILE_BYTES = 1 << 30
+_KINDS = ((stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"))
 
 
 class OutsideDataRoots(PermissionError):
     """A name that resolves outside every data root."""
 
 
+class NotReadable(OSError):
+    """A file the server will not read: not a regular file, or over the size limit."""
+
+
+class FileTooLarge(NotReadable):
+    """A regular file over the size limit."""
+
+
 class DataRoots:
-    def __init__(self, roots: list[str]):
+    def __init__(self, roots: list[str], max_file_bytes: int = DEFAULT_MAX_FILE_BYTES):
+        self.max_file_bytes = max_file_bytes
         if not roots:
             raise ValueError("at least one data root is required")
         self.roots = [os.path.realpath(r) for r in roots]
@@ -53,8 +77,14 @@ class DataRoots:
                 return path
         return os.path.join(self.roots[0], rel)
 
-    def open_checked(self, path: str) -> int:
-        """Open a located path for reading; returns an fd of a file under a data root."""
+    def open_checked(self, path: str, max_bytes: int | None = None,
+                     flag: str = "--max-file-bytes") -> int:
+        """Open a located path for reading; returns an fd of a regular file under a data root.
+
+        Raises IsADirectoryError for a directory, NotReadable for anything else
+        but a regular file of at most ``max_bytes`` (default ``max_file_bytes``;
+        ``flag`` is the server flag that sets it, for the message).
+        """
         # Non-blocking: opening a FIFO (or a device) someone linked in must not hang a thread.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
@@ -64,15 +94,22 @@ class DataRoots:
         if self.root_of(real) is None:
             os.close(fd)
             raise OutsideDataRoots(f"{path!r} resolves outside the data roots")
+        try:
+            _check_file(os.fstat(fd), self.max_file_bytes if max_bytes is None else max_bytes, flag)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
-    def read(self, path: str) -> bytes:
-        fd = self.open_checked(path)
-        try:
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read()
-        finally:
-            os.close(fd)
+    def read(self, path: str, max_bytes: int | None = None,
+             flag: str = "--max-file-bytes") -> bytes:
+        """The whole file (checked as by ``open_checked``), read in one allocation of its size."""
+        with os.fdopen(self.open_checked(path, max_bytes, flag), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(size + 1)
+        if len(data) > size:
+            raise NotReadable(f"file grew past its size of {size} bytes while it was read")
+        return data
 
     def root_of(self, path: str) -> str | None:
         """The root a normalised absolute path lies under (lexically), or None."""
@@ -80,3 +117,37 @@ class DataRoots:
             if path == root or path.startswith(root.rstrip("/") + "/"):
                 return root
         return None
+
+
+def _check_file(status: os.stat_result, max_bytes: int, flag: str) -> None:
+    if stat.S_ISDIR(status.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "a directory, not a regular file")
+    for is_kind, kind in _KINDS:
+        if is_kind(status.st_mode):
+            raise NotReadable(f"{kind}, not a regular file")
+    if status.st_size > max_bytes:
+        raise FileTooLarge(f"file of {status.st_size} bytes, over the limit of {max_bytes} "
+                          f"(gpufeed-server {flag})")
+
+
+class LocatedPaths(Sequence[str]):
+    """``roots.locate(prefix + names[i])``, worked out when a sample is read.
+
+    The names were checked against the roots when the stream was planned;
+    locating again per read keeps the plan as compact as its names.
+    """
+
+    def __init__(self, names: Sequence[str], prefix: str, roots: DataRoots):
+        self.names = names
+        self._prefix = prefix
+        self._roots = roots
+
+    @property
+    def nbytes(self) -> int:
+        return self.names.nbytes
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, index: int) -> str:
+        return self._roots.locate(self._prefix + self.names[index])

@@ -100,3 +100,6 @@ class DecodePool:
                 job.decode_row(row, decoders)
             except Exception:  # a bug, not bad data: keep the thread alive, say so
                 _log.exception("decode task failed")
+            # Held while this thread waits, the last task would keep its stream (and the
+            # stream's plan: megabytes for a long list) alive after the stream ended.
+            del task, job

@@ -2,15 +2,23 @@
 
 Every check names the request field at fault. Nothing here decodes or reads
 sample files (a missing or corrupt sample fails only that sample, later); only
-the list file, when one is named, is read here, and directories named as
-samples are listed (folders.py).
+the list file, when one is named, is read here (at most ``--max-list-bytes``,
+and at most ``--max-samples`` of its lines are worked on), and directories
+named as samples are listed (folders.py).
+
+A plan is kept compact (names packed, batches as views of one order array, see
+names.py and order.py): its size, ``StreamPlan.nbytes``, counts against the
+server's memory budget with the stream's ring.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-from dataclasses import dataclass
+import weakref
+from array import array
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -19,18 +27,23 @@ import torch
 from gpufeed.v1 import feed_pb2
 
 from .arrays import read_arrays
+from .budget import default_memory_bytes, return_free_memory
 from .decode import DecodeError
 from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_labels, \
     list_directory
-from .paths import DataRoots, OutsideDataRoots
+from .names import SampleNames, TooManyNames
+from .paths import DataRoots, FileTooLarge, LocatedPaths, OutsideDataRoots
 from .ring import BatchLayout
 from .samples import ARRAYS, VIDEO, ArrayRows, ImageRows, VideoRows, is_sample_file, sample_kind
-from .order import shard_order, split_batches
+from .order import Batches, shard_order, split_batches
 from .transform import OutputTransform
 
 __all__ = ["Limits", "RequestError", "StreamPlan", "plan_stream"]
 
 _MAX_SIDE = 8192
+_LIST_CHUNK = 1 << 20  # bytes of a list file decoded at a time
+# A plan this large gives the allocator's free memory back to the system when it goes.
+_TRIM_AFTER_BYTES = 8 << 20
 
 
 class RequestError(Exception):
@@ -55,17 +68,21 @@ class Limits:
     max_prefetch: int = 16
     max_batch_bytes: int = 1 << 30
     max_samples: int = 10_000_000
+    # A list file larger than this is refused before it is read (~12M lines of 40 bytes).
+    max_list_bytes: int = 512 << 20
+    # Every open stream's ring and plan together (service.py, budget.py).
+    max_memory_bytes: int = field(default_factory=default_memory_bytes)
 
 
 @dataclass
 class StreamPlan:
     """Everything a stream needs, checked: located paths, labels, batches, output."""
 
-    paths: list[str]
+    paths: LocatedPaths
     reader: ImageRows | VideoRows | ArrayRows
     labels: np.ndarray | None
     classes: list[str]
-    batches: list[np.ndarray]
+    batches: Batches
     start_batch: int
     layout: BatchLayout
     transform: OutputTransform | None
@@ -81,7 +98,13 @@ class StreamPlan:
 
     @property
     def num_samples(self) -> int:
-        return sum(len(b) for b in self.batches[self.start_batch:])
+        return self.batches.samples_from(self.start_batch)
+
+    @property
+    def nbytes(self) -> int:
+        """What the plan keeps in memory: packed names, sample order, labels."""
+        labels = 0 if self.labels is None else self.labels.nbytes
+        return self.paths.nbytes + self.batches.order.nbytes + labels
 
 
 def _invalid(message: str) -> RequestError:
@@ -90,13 +113,11 @@ def _invalid(message: str) -> RequestError:
 
 def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                 transports: tuple[int, ...]) -> StreamPlan:
-    names, listed_labels, prefix = _sample_names(req, roots)
+    names, listed_labels, prefix = _sample_names(req, roots, limits)
     if not names:
         raise _invalid("samples: the list is empty")
-    _check_count(len(names), limits)
     samples = _sample_files(names, prefix, roots, limits.max_samples)
     names, paths = samples.names, samples.paths
-    _check_count(len(paths), limits)  # directories listed
     labels, classes = _labels(req, samples, listed_labels, roots)
     try:
         kind = sample_kind(names)
@@ -145,17 +166,19 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     if not 0 <= req.start_batch <= len(batches):
         raise _invalid(f"start_batch must be in 0..{len(batches)} (batches in this stream), "
                        f"got {req.start_batch}")
-    return StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,
+    plan = StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,
                       batches=batches,
                       start_batch=req.start_batch, layout=layout, transform=transform,
                       transport=transport,
                       prefetch=prefetch,
-                      max_failures=_failure_budget(req, sum(len(b) for b in batches), limits),
+                      max_failures=_failure_budget(req, batches.samples_from(0), limits),
                       lease_timeout=limits.lease_timeout)
+    if plan.nbytes >= _TRIM_AFTER_BYTES:
+        weakref.finalize(plan, return_free_memory)
+    return plan
 
 
-def _served_batches(req: feed_pb2.StreamRequest, batches: list[np.ndarray]
-                    ) -> list[np.ndarray]:
+def _served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:
     """The pass's batches this stream serves: every ``batch_stride``-th from ``batch_offset``."""
     stride = req.batch_stride or 1
     if stride < 0:
@@ -165,13 +188,6 @@ def _served_batches(req: feed_pb2.StreamRequest, batches: list[np.ndarray]
     if stride > 1 and req.job:
         raise _invalid("batch_stride: a shared job serves the whole pass; give one or the other")
     return batches[req.batch_offset::stride]
-
-
-def _check_count(samples: int, limits: Limits) -> None:
-    if samples > limits.max_samples:
-        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"samples: {samples} samples is over the server's --max-samples "
-                           f"{limits.max_samples}")
 
 
 def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limits) -> int:
@@ -191,6 +207,9 @@ def _pixels(req: feed_pb2.StreamRequest, kind: str) -> tuple[OutputTransform, ob
     if not (0 < height <= _MAX_SIDE and 0 < width <= _MAX_SIDE):
         raise _invalid(f"output: size must be within 1..{_MAX_SIDE} on each side, "
                        f"got ({height}, {width})")
+    if not 0 <= req.output.shorter_side <= _MAX_SIDE:  # images are scaled to it before the crop
+        raise _invalid(f"output.shorter_side must be within 0..{_MAX_SIDE}, "
+                       f"got {req.output.shorter_side}")
     clip = req.clip
     if kind == VIDEO:
         if clip.frames <= 0 or clip.stride < 0:
@@ -214,7 +233,7 @@ def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarra
     """The first sample's arrays, which set the stream's layout."""
     try:
         with os.fdopen(roots.open_checked(path), "rb") as file:
-            first = read_arrays(file, posixpath.splitext(path)[1])
+            first = read_arrays(file, posixpath.splitext(path)[1], roots.max_file_bytes)
     except OutsideDataRoots as e:
         raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"samples[0]: {e}") from None
     except FileNotFoundError:
@@ -280,7 +299,7 @@ def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: list[int]
         if samples.listings:
             raise _invalid(f"list_file: {samples.names[samples.listings[0].start]!r} comes from "
                            f"a directory; labels from the list file need one file per line")
-        return np.asarray(listed, dtype=np.int64), []
+        return listed, []
     if source == feed_pb2.LABELS_FROM_FOLDER:
         try:
             return folder_labels(samples, list(req.classes), roots)
@@ -292,8 +311,8 @@ def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: list[int]
     raise _invalid(f"label_source: unknown value {source}")
 
 
-def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots
-                  ) -> tuple[list[str], list[int] | None, str]:
+def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits
+                  ) -> tuple[SampleNames, np.ndarray | None, str]:
     """The sample names, the list file's labels when label_source asks for them, the prefix.
 
     A directory given as list_file is one name, located as a list file is
@@ -301,7 +320,7 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots
     """
     kind = req.WhichOneof("samples")
     if kind == "files":
-        return list(req.files.paths), None, req.prefix
+        return _pack(req.files.paths, limits), None, req.prefix
     if kind != "list_file":
         raise _invalid("samples: give either files or list_file")
     try:
@@ -310,47 +329,85 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots
             if req.label_source == feed_pb2.LABELS_FROM_LIST_FILE:
                 raise _invalid(f"list_file: {req.list_file!r} is a directory; labels from the "
                                f"list file need a list file")
-            return [req.list_file], None, ""
-        text = roots.read(path).decode("utf-8")
+            return _pack([req.list_file], limits), None, ""
+        data = roots.read(path, limits.max_list_bytes, "--max-list-bytes")
     except OutsideDataRoots as e:
         raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"list_file: {e}") from None
     except (FileNotFoundError, IsADirectoryError):
         raise RequestError(grpc.StatusCode.NOT_FOUND,
                            f"list_file: {req.list_file!r} not found under the data roots") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except FileTooLarge as e:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"list_file: {req.list_file!r} is a {e}") from None
+    except OSError as e:
         raise _invalid(f"list_file: cannot read {req.list_file!r}: {e}") from None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = _list_lines(data)
     if req.label_source != feed_pb2.LABELS_FROM_LIST_FILE:
-        return lines, None, req.prefix
-    names, labels = [], []
+        return _pack(lines, limits, req.list_file), None, req.prefix
+    labels = array("q")
+    names = _pack(_split_labels(lines, labels), limits, req.list_file)
+    return (names, np.frombuffer(labels, np.int64) if labels else np.zeros(0, np.int64),
+            req.prefix)
+
+
+def _pack(names: Iterable[str], limits: Limits, list_file: str = "") -> SampleNames:
+    try:
+        return SampleNames.pack(names, limit=limits.max_samples)
+    except TooManyNames:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"samples: more than {limits.max_samples} samples, over the "
+                           f"server's --max-samples {limits.max_samples}") from None
+    except UnicodeDecodeError as e:
+        raise _invalid(f"list_file: cannot read {list_file!r}: {e}") from None
+
+
+def _list_lines(data: bytes) -> Iterator[str]:
+    """The non-blank lines of a list file, stripped, decoded a chunk at a time: no
+    list of every line is ever made."""
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n", start + _LIST_CHUNK)
+        end = len(data) if end < 0 else end + 1
+        for line in data[start:end].decode("utf-8").splitlines():
+            if line := line.strip():
+                yield line
+        start = end
+
+
+def _split_labels(lines: Iterable[str], labels: array) -> Iterator[str]:
+    """The names of ``path<TAB>label`` lines; their labels are appended to ``labels``."""
     for number, line in enumerate(lines, 1):
         name, tab, label = line.rpartition("\t")
         try:
             labels.append(int(label))
-        except ValueError:
+        except (ValueError, OverflowError):
             tab = ""
         if not tab:
             raise _invalid(f"list_file: line {number} is not `path<TAB>integer label`: {line!r}")
-        names.append(name)
-    return names, labels, req.prefix
+        yield name
 
 
-def _sample_files(names: list[str], prefix: str, roots: DataRoots, max_samples: int
+def _sample_files(names: SampleNames, prefix: str, roots: DataRoots, max_samples: int
                   ) -> SampleFiles:
     """Located paths, each directory among them replaced by the files under it.
 
     Only a name without an image, video or array suffix costs a system call
-    (is it a directory?): a long list of files is checked lexically, as before.
+    (is it a directory?): a long list of files is checked lexically, as before,
+    and stays packed. A listing's names and paths are packed once it is done.
     """
-    samples = SampleFiles()
+    if all(is_sample_file(name) for name in names):
+        return SampleFiles(names, _located(names, prefix, roots))
+    found_names: list[str] = []
+    found_paths: list[str] = []
+    listings: list[Listing] = []
     for i, name in enumerate(names):
         try:
             path = roots.locate(prefix + name)
             if is_sample_file(name) or not os.path.isdir(path):
-                samples.names.append(name)
-                samples.paths.append(path)
+                found_names.append(name)
+                found_paths.append(path)
                 continue
-            listed = list_directory(path, name, roots, max_samples - len(samples.paths))
+            listed = list_directory(path, name, roots, max_samples - len(found_paths))
         except OutsideDataRoots as e:
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"samples[{i}]: {e}") from None
         except TooManyFiles as e:
@@ -360,8 +417,29 @@ def _sample_files(names: list[str], prefix: str, roots: DataRoots, max_samples: 
         if not listed:
             raise _invalid(f"samples[{i}]: the directory {name!r} holds no image, video or "
                            f"array files")
-        start = len(samples.paths)
-        samples.paths += listed
-        samples.names += [posixpath.join(name, os.path.relpath(p, path)) for p in listed]
-        samples.listings.append(Listing(start, len(samples.paths), path))
-    return samples
+        start = len(found_paths)
+        found_paths += listed
+        found_names += [posixpath.join(name, os.path.relpath(p, path)) for p in listed]
+        listings.append(Listing(start, len(found_paths), path))
+    if len(found_paths) > max_samples:  # the files named beside the listings
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"samples: {len(found_paths)} samples is over the server's "
+                           f"--max-samples {max_samples}")
+    return SampleFiles(SampleNames.pack(found_names), SampleNames.pack(found_paths), listings)
+
+
+def _located(names: SampleNames, prefix: str, roots: DataRoots) -> LocatedPaths:
+    """The names' paths, every one checked to lie under the roots (lexically) now.
+
+    A relative name without ``..`` after a relative prefix without one cannot
+    leave the roots: when no name has either, the per-name check is skipped.
+    """
+    if not (os.path.isabs(prefix) or ".." in prefix or names.contains("..")
+            or (not prefix and names.any_starts_with("/"))):
+        return LocatedPaths(names, prefix, roots)
+    for i, name in enumerate(names):
+        try:
+            roots.locate(prefix + name)
+        except OutsideDataRoots as e:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"samples[{i}]: {e}") from None
+    return LocatedPaths(names, prefix, roots)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -41,10 +42,15 @@ def kind_of(name: str) -> str:
     return VIDEO if suffix in _VIDEO else ARRAYS if suffix in _ARRAYS else IMAGE
 
 
-def sample_kind(names: list[str]) -> str:
+def sample_kind(names: Sequence[str]) -> str:
     """The one kind of every sample; ValueError naming two samples of different kinds."""
     first = kind_of(names[0])
+    suffix = posixpath.splitext(names[0])[1]
     for name in names:
+        # Ends in the first name's suffix after a character that is neither "/" nor ".":
+        # the same suffix as splitext sees it. Only other names need kind_of.
+        if suffix and name.endswith(suffix) and name[-len(suffix) - 1:-len(suffix)] not in "/.":
+            continue
         if kind_of(name) != first:
             raise ValueError(f"samples: {names[0]!r} is {_a(first)} but {name!r} is "
                              f"{_a(kind_of(name))}; one stream serves one kind")
@@ -60,12 +66,13 @@ class Decoders:
 
     def __init__(self, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
         self.image = ImageDecoder(max_pixels)
+        self._max_pixels = max_pixels
         self._video: VideoDecoder | None = None
 
     @property
     def video(self) -> VideoDecoder:
         if self._video is None:
-            self._video = VideoDecoder()
+            self._video = VideoDecoder(max_pixels=self._max_pixels)
         return self._video
 
 
@@ -112,7 +119,7 @@ class ArrayRows:
 
     def read_into(self, roots, path, index, arrays, row, decoders, stages) -> None:
         with stages["decode"].time(), os.fdopen(roots.open_checked(path), "rb") as file:
-            sample = read_arrays(file, posixpath.splitext(path)[1])
+            sample = read_arrays(file, posixpath.splitext(path)[1], roots.max_file_bytes)
             check(sample, self.layout)
             for key, array in sample.items():
                 arrays[key][row] = array

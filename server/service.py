@@ -25,6 +25,7 @@ import numpy as np
 import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
+from .budget import MemoryBudget, MemoryExhausted
 from .metrics import ServerMetrics, transport_name
 from .paths import DataRoots
 from .pool import DecodePool
@@ -58,6 +59,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         self._open_streams = 0  # counted from admission, before their Stream exists
         self._draining = False
         self._jobs = JobRegistry()
+        self._memory = MemoryBudget(limits.max_memory_bytes)  # every stream's ring and plan
         self._lock = threading.Condition()
         self.transports = (feed_pb2.TRANSPORT_INLINE, feed_pb2.TRANSPORT_SHM)
         self._gpu_uuid = ""
@@ -86,15 +88,26 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         refusal = self._enter()
         if refusal is not None:
             self._refuse(context, *refusal)
+        reserved = 0
         try:
             try:
                 plan = plan_stream(first.open, self._roots, self._limits, self.transports)
+                reserved = self._memory.reserve(
+                    plan.num_slots * plan.layout.slot_bytes + plan.nbytes,
+                    f"this stream ({plan.num_slots} slots of {plan.layout.slot_bytes} bytes, "
+                    f"and {plan.nbytes} for its sample list)")
                 job = self._jobs.join(first.open, plan) if first.open.job else None
                 memory = self._slot_memory(plan)
-            except RequestError as e:
-                self._refuse(context, e.code, str(e))
+            except (RequestError, MemoryExhausted) as e:
+                refusal = e.code, str(e)
+            else:
+                refusal = None
+            if refusal is not None:  # refused outside `except`: see _serve
+                plan = None
+                self._refuse(context, *refusal)
             yield from self._serve(plan, job, memory, request_iterator, context)
         finally:
+            self._memory.give_back(reserved)
             with self._lock:
                 self._open_streams -= 1
                 self._lock.notify_all()
@@ -157,6 +170,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             self._streams.add(stream)
         header_sent_at = None
         log = _StreamLog(context.peer(), plan, job)
+        ending = None
         try:
             if job is not None:
                 job.add_consumer(stream.wake)
@@ -187,10 +201,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                     self._metrics.sent(plan.transport, message, time.perf_counter() - sending)
             log.status = "OK"
         except StreamCancelled as e:
-            if e.code is not None:
-                log.status = f"{e.code.name}: {e.message}"
-                context.abort(e.code, e.message)
-            log.status = "CANCELLED: the client went away"
+            ending = e.code, e.message
+            log.status = (f"{e.code.name}: {e.message}" if e.code is not None
+                          else "CANCELLED: the client went away")
         except Exception as e:  # a bug: gRPC ends the call with UNKNOWN
             log.status = f"UNKNOWN: {type(e).__name__}: {e}"
             raise
@@ -209,6 +222,10 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 segment.close()
             if device_ring is not None:
                 device_ring.close(opened=stream.attached)
+        # Aborting inside `except` would leave the exception, this frame and the stream
+        # (with its plan) in a reference cycle, freed only at a garbage collection.
+        if ending is not None and ending[0] is not None:
+            context.abort(*ending)
 
 
 def _read_client(request_iterator, stream: Stream, segment) -> None:
@@ -230,8 +247,11 @@ def _read_client(request_iterator, stream: Stream, segment) -> None:
                 if segment is not None:
                     segment.unlink()
                 stream.attach()
-    except grpc.RpcError:
-        pass  # the call ended; the handler cleans up
+    except grpc.RpcError as e:  # the call ended; the handler cleans up
+        # gRPC keeps this error in the call's state, which the traceback's frames refer
+        # to: a cycle through this frame that would keep the stream (and its plan)
+        # until a garbage collection.
+        e.__traceback__ = None
     except Exception as e:
         _log.exception("client reader failed")
         stream.cancel(grpc.StatusCode.INTERNAL, f"server error reading the client's messages: {e}")

@@ -250,8 +250,9 @@ class Stream:
     def _wait_done(self, seq: int) -> Batch | None:
         """Batch ``seq`` once decoded; None once the source has no batch left for it."""
         while True:
-            if self.cancelled:
-                raise self._ending
+            if self.cancelled:  # a new exception: the stored one would keep this frame (and
+                # the stream, its plan) in a cycle through its traceback, until a collection
+                raise StreamCancelled(self._ending.code, self._ending.message)
             batch = self._batches.get(seq)
             if batch is not None and batch.done:
                 return batch

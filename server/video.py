@@ -45,7 +45,7 @@ from typing import BinaryIO
 import av
 import numpy as np
 
-from .decode import DecodeError, RgbScaler
+from .decode import DEFAULT_MAX_PIXELS, DecodeError, RgbScaler
 
 __all__ = ["VideoDecoder", "centred_start", "random_start"]
 
@@ -72,8 +72,9 @@ class VideoDecoder:
     default of 1 keeps decoding on the calling thread (see the module docstring).
     """
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
         self._threads = threads
+        self._max_pixels = max_pixels
         self._rgb = RgbScaler()
 
     def decode_clip_into(self, file: BinaryIO | str, out: np.ndarray, *, stride: int,
@@ -98,6 +99,7 @@ class VideoDecoder:
                 if not container.streams.video:
                     raise DecodeError("no video stream")
                 stream = container.streams.video[0]
+                self._check_size(stream.codec_context)
                 clock = _Clock(stream, container)
                 if clock.frames < span:
                     raise DecodeError(f"clip needs {span} frames, video has {clock.frames}")
@@ -116,6 +118,12 @@ class VideoDecoder:
                 self._fill(container, stream, clock, wanted, out, seeked=False)
         except av.FFmpegError as e:
             raise DecodeError(f"not a decodable video: {e}") from None
+
+    def _check_size(self, codec) -> None:
+        """Refuse a stream declaring frames over ``max_pixels``, before one is decoded."""
+        if codec.width * codec.height > self._max_pixels:
+            raise DecodeError(f"video declares {codec.width}x{codec.height} frames, over the "
+                              f"limit of {self._max_pixels} pixels (gpufeed-server --max-pixels)")
 
     def _configure(self, codec) -> None:
         """Set the codec's threading before it opens (see the module docstring)."""

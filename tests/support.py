@@ -41,6 +41,15 @@ def stream_segments(prefix: str) -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix) and not n.endswith("probe")}
 
 
+def status_mb(pid: int, field: str = "VmRSS") -> float:
+    """A memory figure of process ``pid`` (VmRSS, VmHWM, ...) from /proc/<pid>/status, in MB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
 def wait_until(condition, timeout: float = 20.0) -> bool:
     """Poll ``condition`` until it holds or ``timeout`` passes; its last value."""
     deadline = time.monotonic() + timeout

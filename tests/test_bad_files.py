@@ -13,7 +13,7 @@ from PIL import Image
 from gpufeed.client import FeedClient
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.process import ServerProcess
-from support import MIN_PSNR_DB, psnr
+from support import MIN_PSNR_DB, psnr, status_mb
 
 SIZE = (40, 48)
 
@@ -85,14 +85,6 @@ def odd_files(data_dir):
     return files
 
 
-def _peak_rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
-
-
 def test_bad_files_fail_alone_among_200_good(data_dir, image_names, odd_files):
     names = [f"odd/{n}" for n in odd_files]
     files = image_names[:100] + names + image_names[100:200]
@@ -102,7 +94,7 @@ def test_bad_files_fail_alone_among_200_good(data_dir, image_names, odd_files):
                              transport="shm")
         got = {int(i): batch["image"][row].clone() for batch in loader
                for row, i in enumerate(batch["index"])}
-        peak_mb = _peak_rss_mb(server.proc.pid)
+        peak_mb = status_mb(server.proc.pid, "VmHWM")
     failed = dict(loader.failures)
     must_fail = {100 + k for k, (_, ref) in enumerate(odd_files.values()) if ref is None}
     assert set(failed) == must_fail, failed

@@ -4,7 +4,8 @@ No speed is asserted (that is what bench/README.md is for); the run must
 finish, write its JSON, and each row must either have delivered exactly the
 images (or array samples) it was asked for at a positive rate, or be a peer
 that is not installed here (SPDL and TensorFlow are optional). The soak
-benchmark runs for a few seconds and must stop cleanly.
+benchmark runs for a few seconds, half of them with its adversarial mix, and must stop
+cleanly.
 """
 
 from __future__ import annotations
@@ -97,3 +98,8 @@ def _check_soak(tmp_path, report: dict) -> None:
     assert written["server_exit_code"] == 0
     assert written["shm_left_behind"] == []
     assert written["verdict"]["line"].startswith("verdict: ")
+    # Its second half ran the adversarial mix beside the trainers: every oversized request
+    # was refused, and the trainers went on (above).
+    attacks = written["adversary"]
+    assert any(what.startswith("17.9 GB ring") for what in attacks), attacks
+    assert not any(what.endswith("ACCEPTED") for what in attacks), attacks
