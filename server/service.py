@@ -32,6 +32,7 @@ from .request import Limits, RequestError, StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
 from .shm import ShmNamespace
 from .stream import Batch, Stream, StreamCancelled
+from .watchdog import Watchdog, end_call
 
 __all__ = ["FeedServicer"]
 
@@ -46,7 +47,8 @@ _ATTACH_GRACE = 10.0
 class FeedServicer(feed_pb2_grpc.FeedServicer):
     def __init__(self, roots: DataRoots, pool: DecodePool, shm: ShmNamespace,
                  limits: Limits, max_streams: int, metrics: ServerMetrics | None = None,
-                 device=None):
+                 device=None, watchdog: Watchdog | None = None):
+        self._watchdog = watchdog if watchdog is not None else Watchdog()
         self._roots = roots
         self._device = device  # a torch.device for cuda:N; None on a CPU server
         self._metrics = metrics if metrics is not None else ServerMetrics(pool)
@@ -157,6 +159,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             self._streams.add(stream)
         header_sent_at = None
         log = _StreamLog(context.peer(), plan, job)
+        # A client that stops reading blocks the handler in `yield` (HTTP/2 flow
+        # control), where the lease timeout in Stream.published() cannot see it.
+        stalled = self._watchdog.alarm(lambda: _end_stalled(stream, context, plan.lease_timeout))
         try:
             if job is not None:
                 job.add_consumer(stream.wake)
@@ -165,6 +170,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             self._metrics.opened(stream, plan.transport)
             stream.start()
             reader.start()
+            stalled.arm(plan.lease_timeout)
             yield feed_pb2.ServerMessage(header=feed_pb2.StreamHeader(
                 transport=plan.transport,
                 shm_name=segment.name if segment else "",
@@ -175,13 +181,16 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 cuda_ipc=device_ring.export if device_ring else None,
                 classes=plan.classes,
             ))
+            stalled.disarm()
             header_sent_at = time.monotonic()
             for batch in stream.published():
                 if device_ring is not None and batch.rows:
                     device_ring.publish(batch, plan)
                 message = feed_pb2.ServerMessage(batch=_batch_message(batch, plan))
                 sending = time.perf_counter()
+                stalled.arm(plan.lease_timeout)
                 yield message  # returns once gRPC has taken the message
+                stalled.disarm()
                 log.sent(batch)
                 if batch.rows:
                     self._metrics.sent(plan.transport, message, time.perf_counter() - sending)
@@ -195,6 +204,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             log.status = f"UNKNOWN: {type(e).__name__}: {e}"
             raise
         finally:
+            stalled.close()
             log.ended()
             with self._lock:
                 self._streams.discard(stream)
@@ -209,6 +219,14 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 segment.close()
             if device_ring is not None:
                 device_ring.close(opened=stream.attached)
+
+
+def _end_stalled(stream: Stream, context, lease_timeout: float) -> None:
+    """End a stream whose client has not taken a message for ``lease_timeout`` seconds."""
+    message = (f"lease timeout: the trainer read nothing for {lease_timeout:g} s "
+               f"(server's --lease-timeout); resume from your position")
+    stream.cancel(grpc.StatusCode.UNAVAILABLE, message)
+    end_call(context, grpc.StatusCode.UNAVAILABLE, message)
 
 
 def _read_client(request_iterator, stream: Stream, segment) -> None:
@@ -230,6 +248,11 @@ def _read_client(request_iterator, stream: Stream, segment) -> None:
                 if segment is not None:
                     segment.unlink()
                 stream.attach()
+            elif kind == "open":
+                stream.cancel(grpc.StatusCode.INVALID_ARGUMENT,
+                              "open: a stream takes one `open` message, its first; this one "
+                              "sent another")
+                return
     except grpc.RpcError:
         pass  # the call ended; the handler cleans up
     except Exception as e:

@@ -8,6 +8,7 @@ sample exactly once.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import queue
 
@@ -18,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from clips import encode_video
-from gpufeed.client import FeedClient
+from support import wait_until
+from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
@@ -90,3 +92,85 @@ def test_media_naming_files_outside_the_root_fail_alone(hostile_root):
         assert _rss_mb(pid) < rss + 300
         loader = feed.loader(files=["good.png"] * 10, batch_size=4, size=(8, 8))
         assert [i for b in loader for i in b["index"].tolist()] == list(range(10))
+
+
+def _trainer_pass(address: str, files: list[str], token: str | None = None) -> list[int]:
+    with FeedClient(address, token=token) as feed:
+        loader = feed.loader(files=files, batch_size=4, size=(8, 8))
+        return [i for b in loader for i in b["index"].tolist()]
+
+
+def _admitted_pass(address: str, files: list[str], passes: list) -> bool:
+    """A trainer's pass into ``passes``; False when refused for --max-streams."""
+    try:
+        passes.append(_trainer_pass(address, files))
+    except FeedError as e:
+        if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return False
+    return True
+
+
+@pytest.mark.parametrize("token", [None, "s3cret"])
+def test_idle_calls_never_starve_health_info_or_trainers(data_dir, image_names, tmp_path, token):
+    """More idle calls than the server has worker threads: calls that never send their
+    first message (Stream, Info), and health watchers that never end."""
+    args = ["--data-root", str(data_dir), "--max-streams", "2"]
+    if token:
+        (tmp_path / "token").write_text(token)
+        args += ["--token-file", str(tmp_path / "token")]
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    never: queue.Queue = queue.Queue()  # idle calls' requests: nothing until the test ends
+    with ServerProcess(args) as server, grpc.insecure_channel(server.address) as channel:
+        feed_stub = feed_pb2_grpc.FeedStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        idle_info = channel.stream_unary("/gpufeed.v1.Feed/Info")
+        try:
+            idle = [feed_stub.Stream(iter(never.get, None), metadata=metadata) for _ in range(60)]
+            idle += [idle_info.future(iter(never.get, None), metadata=metadata) for _ in range(20)]
+            watchers = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(24)]
+            assert wait_until(lambda: sum(not call.running() for call in idle) >= 80 - 16)
+
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            with FeedClient(server.address, token=token, connect_timeout=10) as feed:
+                assert feed.info().version
+            files = image_names[:24]
+            assert _trainer_pass(server.address, files, token) == list(range(24))
+
+            codes = {call.code() for call in idle}  # each ends: ended as oldest, or timed out
+            assert codes == {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+            details = {call.details().split("(")[-1] for call in idle}
+            assert any("--max-waiting-calls 16" in d for d in details)
+            assert any("--open-timeout" in d for d in details)
+            assert _trainer_pass(server.address, files, token) == list(range(24))
+        finally:
+            for _ in range(200):
+                never.put(None)
+            for watcher in watchers:
+                watcher.cancel()
+
+
+def test_a_client_that_never_reads_loses_its_stream_after_the_lease_timeout(data_dir,
+                                                                            image_names):
+    """The server blocks sending to it (HTTP/2 flow control): the lease timeout must
+    still end the stream and free what it holds, here the only stream allowed."""
+    files = image_names[:40]
+    with ServerProcess(["--data-root", str(data_dir), "--max-streams", "1",
+                        "--lease-timeout", "2"]) as server, \
+            grpc.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+        request = feed_pb2.StreamRequest(  # 1.5 MB inline batches: far over a 64 KB window
+            files=feed_pb2.FileList(paths=files), batch_size=8, prefetch=2,
+            output=feed_pb2.OutputSpec(height=256, width=256), transport=feed_pb2.TRANSPORT_INLINE)
+        never: queue.Queue = queue.Queue()
+        stalled = feed_pb2_grpc.FeedStub(channel).Stream(
+            itertools.chain([feed_pb2.ClientMessage(open=request)], iter(never.get, None)))
+        try:
+            # The trainer is refused (--max-streams 1) until the stalled stream is ended.
+            passes: list[list[int]] = []
+            assert wait_until(lambda: _admitted_pass(server.address, files, passes), 30)
+            assert passes == [list(range(40))]
+            assert not stalled.done()  # it still has not read: it never learns, and need not
+        finally:
+            stalled.cancel()
+            never.put(None)
