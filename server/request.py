@@ -304,6 +304,8 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots
         return list(req.files.paths), None, req.prefix
     if kind != "list_file":
         raise _invalid("samples: give either files or list_file")
+    if "\0" in req.list_file:
+        raise _invalid(f"list_file: {req.list_file!r} contains a NUL byte")
     try:
         path = roots.locate(req.list_file)
         if os.path.isdir(path):
@@ -344,6 +346,8 @@ def _sample_files(names: list[str], prefix: str, roots: DataRoots, max_samples: 
     """
     samples = SampleFiles()
     for i, name in enumerate(names):
+        if "\0" in name or "\0" in prefix:  # a list file's line too: no path holds one
+            raise _invalid(f"samples[{i}]: {prefix + name!r} contains a NUL byte")
         try:
             path = roots.locate(prefix + name)
             if is_sample_file(name) or not os.path.isdir(path):

@@ -174,3 +174,77 @@ def test_a_client_that_never_reads_loses_its_stream_after_the_lease_timeout(data
         finally:
             stalled.cancel()
             never.put(None)
+
+
+def _output(**fields) -> feed_pb2.OutputSpec:
+    spec = feed_pb2.OutputSpec(height=8, width=8, dtype="float32")
+    for name, value in fields.items():
+        if name in ("mean", "std"):
+            getattr(spec, name).extend(value)
+        else:
+            setattr(spec, name, value)
+    return spec
+
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"output": _output(resize=9)}, ["output.resize", "9"]),
+    ({"output": _output(layout=7)}, ["output.layout", "7"]),
+    ({"output": _output(resize=2, ratio_min=_INF, ratio_max=_INF)}, ["output.ratio"]),
+    ({"output": _output(resize=2, ratio_min=1e30, ratio_max=1e30)}, ["output.ratio"]),
+    ({"output": _output(resize=2, ratio_min=1e-30, ratio_max=1.0)}, ["output.ratio"]),
+    ({"output": _output(resize=2, scale_min=_NAN, scale_max=1.0)}, ["output.scale"]),
+    ({"output": _output(mean=[0.5] * 3, std=[_NAN] * 3)}, ["output.std"]),
+    ({"output": _output(mean=[0.5] * 3, std=[0.0] * 3)}, ["output.std"]),
+    ({"output": _output(mean=[_INF] * 3, std=[0.5] * 3)}, ["output.mean"]),
+    ({"files": feed_pb2.FileList(paths=["img0000.jpg", "img\x00.jpg"])}, ["samples[1]", "NUL"]),
+    ({"prefix": "\x00"}, ["samples[0]", "NUL"]),
+    ({"list_file": "all\x00.flist"}, ["list_file", "NUL"]),
+    ({"list_file": "nul.flist"}, ["samples[1]", "NUL"]),
+])
+def test_bad_values_are_refused_at_open_naming_the_field(server, data_dir, change, words):
+    (data_dir / "nul.flist").write_text("img0000.jpg\nimg\x000001.jpg\n")
+    request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=["img0000.jpg"] * 4),
+                                     batch_size=2, output=_output(),
+                                     transport=feed_pb2.TRANSPORT_INLINE)
+    for name, value in change.items():
+        if isinstance(value, str):
+            setattr(request, name, value)
+        else:
+            getattr(request, name).CopyFrom(value)
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            list(feed_pb2_grpc.FeedStub(channel).Stream(
+                iter([feed_pb2.ClientMessage(open=request)]), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    for word in words:
+        assert word in info.value.details()
+    assert _trainer_pass(server.address, ["img0000.jpg"] * 4) == [0, 1, 2, 3]
+
+
+def test_a_second_open_ends_the_stream(server, image_names):
+    request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=image_names[:40]),
+                                     batch_size=2, output=_output(), prefetch=1,
+                                     transport=feed_pb2.TRANSPORT_INLINE)
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            list(feed_pb2_grpc.FeedStub(channel).Stream(
+                iter([feed_pb2.ClientMessage(open=request)] * 2), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "open" in info.value.details() and "another" in info.value.details()
+
+
+def test_an_unexpected_sample_error_logs_its_traceback_once(caplog):
+    from gpufeed.server.stream import log_sample_bug
+
+    with caplog.at_level("DEBUG", logger="gpufeed.server.stream"):
+        for index in range(3):
+            try:
+                raise OverflowError(f"bug {index}")
+            except OverflowError as e:
+                log_sample_bug(e, index, f"/data/{index}.jpg")
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1 and "sample 0" in tracebacks[0].getMessage()
+    assert [r.levelname for r in caplog.records] == ["ERROR", "DEBUG", "DEBUG"]
