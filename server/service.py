@@ -61,7 +61,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         self._draining = False
         self._jobs = JobRegistry()
         self._lock = threading.Condition()
-        self.transports = (feed_pb2.TRANSPORT_INLINE, feed_pb2.TRANSPORT_SHM)
+        self.transports = (feed_pb2.TRANSPORT_INLINE,)
+        if shm.probe is not None:  # else /dev/shm was full or missing at start-up
+            self.transports += (feed_pb2.TRANSPORT_SHM,)
         self._gpu_uuid = ""
         if device is not None:
             from .cuda_ipc import gpu_uuid
@@ -76,7 +78,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             gpu_uuid=self._gpu_uuid,
             transports=self.transports,
             data_roots=self._roots.roots,
-            shm_probe=feed_pb2.ShmProbe(name=self._shm.probe.name, token=self._shm.probe_token),
+            shm_probe=feed_pb2.ShmProbe(name=self._shm.probe.name, token=self._shm.probe_token)
+            if self._shm.probe is not None else None,
             decode_threads=self._pool.threads,
         )
 
@@ -143,6 +146,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 return ring.host_buffer(), None, ring
             return bytearray(slots_bytes), None, None
         except (MemoryError, OSError, RuntimeError) as e:  # ENOSPC in /dev/shm, CUDA OOM
+            _log.warning("no memory for a %s stream's %d slots of %d bytes: %s",
+                         feed_pb2.Transport.Name(plan.transport), plan.num_slots,
+                         plan.layout.slot_bytes, e)
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"no memory for this stream's {plan.num_slots} slots of "
                                f"{plan.layout.slot_bytes} bytes: {e}; ask for a smaller "

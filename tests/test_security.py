@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import os
 import queue
+import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import grpc
 import numpy as np
@@ -248,3 +254,57 @@ def test_an_unexpected_sample_error_logs_its_traceback_once(caplog):
     tracebacks = [r for r in caplog.records if r.exc_info]
     assert len(tracebacks) == 1 and "sample 0" in tracebacks[0].getMessage()
     assert [r.levelname for r in caplog.records] == ["ERROR", "DEBUG", "DEBUG"]
+
+
+_FULL_SHM_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from gpufeed.client import FeedClient
+    from gpufeed.server.process import ServerProcess
+
+    data_root, files = sys.argv[1], sys.argv[2:]
+    results = {}
+
+    def one_pass(server):
+        with FeedClient(server.address) as feed:
+            transports = list(feed.info().transports)
+            loader = feed.loader(files=files, batch_size=8, size=(256, 256))  # 1.5 MB a batch
+            indices = [i for b in loader for i in b["index"].tolist()]
+        return {"indices": indices, "transport": loader.transport, "offered": transports}
+
+    # 1 MB of /dev/shm: room for the server's probe, not for a stream's ring.
+    with ServerProcess(["--data-root", data_root]) as server:
+        results["ring_does_not_fit"] = one_pass(server)
+        log = "".join(server.log)
+    results["server_said"] = "no memory for a TRANSPORT_SHM stream" in log
+    filler = os.open("/dev/shm/filler", os.O_WRONLY | os.O_CREAT)  # now not even the probe fits
+    try:
+        while os.write(filler, bytes(4096)):
+            pass
+    except OSError:
+        pass
+    os.close(filler)
+    with ServerProcess(["--data-root", data_root]) as server:
+        results["probe_does_not_fit"] = one_pass(server)
+        results["server_warned"] = "offering the inline transport only" in "".join(server.log)
+    print(json.dumps(results))
+""")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_auto_falls_back_to_inline_when_dev_shm_is_full(data_dir, image_names):
+    files = image_names[:20]
+    command = shlex.join([sys.executable, "-c", _FULL_SHM_SCRIPT, str(data_dir), *files])
+    script = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {command}"
+    result = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True,
+                            text=True, env=os.environ, timeout=300)
+    if result.returncode != 0 and "mount" in result.stderr + result.stdout:
+        pytest.skip(f"cannot make a private /dev/shm here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr
+    results = json.loads(result.stdout)
+    inline, shm = feed_pb2.TRANSPORT_INLINE, feed_pb2.TRANSPORT_SHM
+    assert results["ring_does_not_fit"] == {"indices": list(range(20)), "transport": "inline",
+                                            "offered": [inline, shm]}
+    assert results["server_said"]
+    assert results["probe_does_not_fit"] == {"indices": list(range(20)), "transport": "inline",
+                                             "offered": [inline]}
+    assert results["server_warned"]
