@@ -9,6 +9,8 @@ orchestrator would restart a healthy server. So every call passes this gate:
 - It is served as a bidirectional stream whatever its declared shape (the
   wire format is the same), so its handler starts at once: gRPC reads a unary
   call's request before calling the handler, where nothing could time it.
+  Its messages are parsed here: one that does not parse ends the call
+  INVALID_ARGUMENT, where gRPC would log a traceback for each.
 - Until its first message a call is *waiting*, for at most ``open_timeout``
   seconds (then it is ended, DEADLINE_EXCEEDED naming ``--open-timeout``).
 - After it, a unary call (Info, health Check) runs its short handler; a Stream
@@ -62,10 +64,13 @@ class CallGate(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        parse = handler.request_deserializer or (lambda data: data)
+
+        def serve(requests, context):
+            return self._serve(handler, method, _parsed(requests, parse, method, context), context)
+
         return grpc.stream_stream_rpc_method_handler(
-            lambda requests, context: self._serve(handler, method, requests, context),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            serve, response_serializer=handler.response_serializer)
 
     def _serve(self, handler, method: str, requests, context):
         with self._counted("waiting", context):
@@ -119,6 +124,19 @@ class CallGate(grpc.ServerInterceptor):
         finally:
             with self._lock:
                 calls.pop(context, None)
+
+
+def _parsed(requests, parse, method: str, context):
+    """The call's messages, parsed; a message that does not parse ends the call
+    INVALID_ARGUMENT (gRPC's own parsing would log a traceback per bad message)."""
+    for data in requests:
+        try:
+            message = parse(data)
+        except Exception:  # protobuf's DecodeError, or nesting too deep  # noqa: BLE001
+            end_call(context, grpc.StatusCode.INVALID_ARGUMENT,
+                     f"{method}: a request message is not a valid protobuf message")
+            return
+        yield message
 
 
 def _behaviour(handler: grpc.RpcMethodHandler):
