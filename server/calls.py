@@ -25,6 +25,8 @@ orchestrator would restart a healthy server. So every call passes this gate:
 
 ``worker_threads`` sizes the pool so that streams, waiting and watching calls
 at their bounds still leave threads for health checks, Info and refusals.
+gRPC's own ``maximum_concurrent_rpcs`` is not used: it counts health checks
+with everything else, so a flood of calls would get them refused too.
 """
 
 from __future__ import annotations
