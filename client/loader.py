@@ -223,7 +223,8 @@ class Loader:
         server = self._servers[part.server]
         request = feed_pb2.StreamRequest()
         request.CopyFrom(self._request)
-        if request.transport == feed_pb2.TRANSPORT_AUTO:
+        auto = request.transport == feed_pb2.TRANSPORT_AUTO
+        if auto:
             request.transport = server.auto_transport()  # Info, the first time
         if not server.answered:  # a wrong address or a server that is down: fail fast
             server.info()
@@ -232,7 +233,7 @@ class Loader:
         if len(self._parts) > 1:
             request.batch_stride, request.batch_offset = len(self._parts), part.index
         request.start_batch = part.consumed
-        stream = OpenStream(server, request, self._copy)
+        stream = _open_stream(server, request, self._copy, auto)
         header = stream.header
         self.classes = list(header.classes)
         self.transport = transport_name(header.transport)
@@ -266,6 +267,29 @@ class Loader:
         for failure in failures:
             self.failures.append((failure.index, failure.reason))
             _log.warning("sample %d skipped: %s", failure.index, failure.reason)
+
+
+# How the server's refusal for want of /dev/shm (or device) memory begins
+# (server/service.py, _slot_memory).
+_NO_SLOT_MEMORY = "no memory for this stream's"
+
+
+def _open_stream(server: Connection, request: feed_pb2.StreamRequest, copy: bool,
+                 auto: bool) -> OpenStream:
+    """The stream; with transport auto, a zero-copy stream the server has no memory
+    for (RESOURCE_EXHAUSTED: its /dev/shm or GPU is full) is asked for again
+    inline, and the loader says so. An explicit transport gets the error, and so
+    does any other refusal (too many streams, the server's memory budget)."""
+    try:
+        return OpenStream(server, request, copy)
+    except grpc.RpcError as e:
+        if not (auto and request.transport != feed_pb2.TRANSPORT_INLINE
+                and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                and _NO_SLOT_MEMORY in (e.details() or "")):
+            raise
+        _log.warning("%s: transport auto -> inline this pass: %s", server.address, e.details())
+        request.transport = feed_pb2.TRANSPORT_INLINE
+        return OpenStream(server, request, copy)
 
 
 def _status(error: grpc.RpcError | FeedError) -> tuple[grpc.StatusCode, str]:

@@ -40,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="port for Prometheus /metrics, on the --listen host (0: off)")
     p.add_argument("--max-streams", type=int, default=64, help="concurrent streams (default %(default)s)")
+    p.add_argument("--max-waiting-calls", type=int, default=ServerConfig.max_waiting_calls,
+                   help="calls that have not sent their first message (a Stream its request) "
+                        "at once, refused past it; as many health Watch / reflection calls "
+                        "(default %(default)s)")
+    p.add_argument("--open-timeout", type=float, default=ServerConfig.open_timeout,
+                   help="seconds a call may take to send its first message before it is ended "
+                        "(default %(default)s)")
     p.add_argument("--max-prefetch", type=int, default=Limits.max_prefetch,
                    help="largest prefetch a stream may ask for (default %(default)s)")
     p.add_argument("--max-batch-bytes", type=int, default=Limits.max_batch_bytes,
@@ -96,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     lifecycle.setLevel(logging.INFO)
     if args.threads < 1:
         _parser().error("--threads must be at least 1")
+    if args.max_waiting_calls < 1 or not args.open_timeout > 0:
+        _parser().error("--max-waiting-calls and --open-timeout must be positive")
     if bool(args.tls_cert) != bool(args.tls_key):
         _parser().error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
@@ -104,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ServerConfig(
             data_roots=args.data_root, listen=args.listen, threads=args.threads, device=args.device,
             metrics_port=args.metrics_port, max_streams=args.max_streams,
+            max_waiting_calls=args.max_waiting_calls, open_timeout=args.open_timeout,
             limits=Limits(max_prefetch=args.max_prefetch, max_batch_bytes=args.max_batch_bytes,
                           max_samples=args.max_samples, lease_timeout=args.lease_timeout,
                           max_list_bytes=args.max_list_bytes,

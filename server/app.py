@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
 from .auth import TokenInterceptor, server_credentials
+from .calls import CallGate, worker_threads
 from .decode import DEFAULT_MAX_PIXELS
 from .metrics import ServerMetrics
 from .paths import DEFAULT_MAX_FILE_BYTES, DataRoots
@@ -25,6 +26,7 @@ from .pool import DecodePool
 from .request import Limits
 from .service import FeedServicer
 from .shm import ShmNamespace
+from .watchdog import Watchdog
 
 __all__ = ["FeedServer", "ServerConfig"]
 
@@ -45,6 +47,10 @@ class ServerConfig:
     device: str = "cpu"
     metrics_port: int = 0
     max_streams: int = 64
+    # Calls that have not sent their first message (a Stream its `open`), each
+    # ended after open_timeout seconds; as many health Watch / reflection calls.
+    max_waiting_calls: int = 16
+    open_timeout: float = 10.0
     limits: Limits = field(default_factory=Limits)
     # Largest client message (requests with long inline file lists).
     max_request_bytes: int = 64 << 20
@@ -85,24 +91,30 @@ class FeedServer:
             device = check_device(config.device)
         self._shm = ShmNamespace()
         self._pool = DecodePool(config.threads, config.max_pixels)
+        self._watchdog = Watchdog()
         try:
             self._build(config, device)
         except BaseException:  # a taken port, say: leave no thread or /dev/shm name behind
+            self._watchdog.close()
             self._pool.close()
             self._shm.close()
             raise
 
     def _build(self, config: ServerConfig, device) -> None:
         self.metrics = ServerMetrics(self._pool)
-        # Each stream holds a handler thread; keep a few workers for Info and health.
+        # Each call holds a handler thread: the gate bounds the calls that could hold
+        # one for long, and the pool has a thread for each of them plus spares.
+        gate = CallGate(config.max_waiting_calls, config.open_timeout, self._watchdog)
         self._grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.max_streams + 8,
-                                       thread_name_prefix="gpufeed-rpc"),
+            futures.ThreadPoolExecutor(
+                max_workers=worker_threads(config.max_streams, config.max_waiting_calls),
+                thread_name_prefix="gpufeed-rpc"),
             options=[*_GRPC_OPTIONS, ("grpc.max_receive_message_length", config.max_request_bytes)],
-            interceptors=[TokenInterceptor(config.token)] if config.token else [],
+            # A wrong token is refused before the gate: it never waits for a message.
+            interceptors=[TokenInterceptor(config.token), gate] if config.token else [gate],
         )
         self.servicer = FeedServicer(self._roots, self._pool, self._shm, config.limits,
-                                     config.max_streams, self.metrics, device)
+                                     config.max_streams, self.metrics, device, self._watchdog)
         feed_pb2_grpc.add_FeedServicer_to_server(self.servicer, self._grpc)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
@@ -138,4 +150,5 @@ class FeedServer:
         self._grpc.stop(1.0).wait()
         self._pool.close()
         self._shm.close()
+        self._watchdog.close()
         self.metrics.close()

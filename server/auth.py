@@ -51,16 +51,17 @@ class TokenInterceptor(grpc.ServerInterceptor):
 
 
 def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that ends the call UNAUTHENTICATED."""
+    """A handler that ends the call UNAUTHENTICATED at once.
 
-    def refuse(request, context):
+    Served as a bidirectional stream whatever ``handler``'s shape (the wire
+    format is the same), so it reads no request: a unary handler would wait
+    for one first, holding a worker thread for as long as the client likes.
+    """
+
+    def refuse(requests, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED,
                       "missing or wrong bearer token (metadata `authorization: Bearer <token>`)")
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+    return grpc.stream_stream_rpc_method_handler(
+        refuse, request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer)

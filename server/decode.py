@@ -10,7 +10,8 @@ of the source becomes the output, and only that window is resized.
 - Everything else (PNG, WebP, BMP, TIFF, GIF; CMYK or unterminated JPEGs; any
   JPEG without the extension) is decoded whole by FFmpeg through PyAV: JPEGs by
   a reusable ``mjpeg`` codec context (no demuxer, no new context per image),
-  the rest through FFmpeg's demuxer. A squash is colour-converted and scaled in
+  the rest through FFmpeg's demuxer for that format alone, picked from the
+  file's first bytes (containers.py). A squash is colour-converted and scaled in
   one swscale pass to planar RGB at the output size. A crop is converted to
   packed RGB at source size and its box resized by the fast path's resize;
   without the extension, swscale scales the whole image so that the box comes
@@ -48,6 +49,7 @@ import numpy as np
 from av.video.reformatter import Interpolation, VideoReformatter
 
 from . import jpeg
+from .containers import HEAD_BYTES, IMAGE_FORMATS, image_format, open_container
 from .headers import declared_size
 from .transform import Box, CropRule
 
@@ -183,7 +185,10 @@ def _placement(box: Box, src_h: int, src_w: int, out_h: int, out_w: int
 
 
 def _decode_other(data: bytes, check_size: Callable[[int, int], None]) -> av.VideoFrame:
-    with av.open(io.BytesIO(data)) as container:
+    demuxer = image_format(data[:HEAD_BYTES])
+    if demuxer is None:
+        raise DecodeError(f"not a supported image format (JPEG, {', '.join(IMAGE_FORMATS)})")
+    with open_container(io.BytesIO(data), demuxer) as container:
         if not container.streams.video:
             raise DecodeError("no image in file")
         codec = container.streams.video[0].codec_context

@@ -22,10 +22,12 @@ _READY = re.compile(r"gpufeed-server ready on (\S+)")
 class ServerProcess:
     """``with ServerProcess(["--data-root", d]) as server: FeedClient(server.address)``."""
 
-    def __init__(self, args: list[str], *, timeout: float = 60.0, env: dict | None = None):
+    def __init__(self, args: list[str], *, timeout: float = 60.0, env: dict | None = None,
+                 cwd: str | None = None):
         self.args = ["--listen", "127.0.0.1:0", *args]
         self.timeout = timeout
         self.env = env
+        self.cwd = cwd
         self.log: list[str] = []
         self.address = ""
         self.proc: subprocess.Popen | None = None
@@ -34,7 +36,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpufeed.server", *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(self.env or {})})
+            env={**os.environ, **(self.env or {})}, cwd=self.cwd)
         ready = threading.Event()
         threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
         if not ready.wait(self.timeout) or not self.address:

@@ -323,6 +323,8 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits
         return _pack(req.files.paths, limits), None, req.prefix
     if kind != "list_file":
         raise _invalid("samples: give either files or list_file")
+    if "\0" in req.list_file:
+        raise _invalid(f"list_file: {req.list_file!r} contains a NUL byte")
     try:
         path = roots.locate(req.list_file)
         if os.path.isdir(path):
@@ -395,6 +397,9 @@ def _sample_files(names: SampleNames, prefix: str, roots: DataRoots, max_samples
     (is it a directory?): a long list of files is checked lexically, as before,
     and stays packed. A listing's names and paths are packed once it is done.
     """
+    if "\0" in prefix or names.contains("\0"):  # a list file's line too: no path holds one
+        i = next(i for i, name in enumerate(names) if "\0" in prefix + name)
+        raise _invalid(f"samples[{i}]: {prefix + names[i]!r} contains a NUL byte")
     if all(is_sample_file(name) for name in names):
         return SampleFiles(names, _located(names, prefix, roots))
     found_names: list[str] = []

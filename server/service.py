@@ -33,6 +33,7 @@ from .request import Limits, RequestError, StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
 from .shm import ShmNamespace
 from .stream import Batch, Stream, StreamCancelled
+from .watchdog import Watchdog, end_call
 
 __all__ = ["FeedServicer"]
 
@@ -47,7 +48,8 @@ _ATTACH_GRACE = 10.0
 class FeedServicer(feed_pb2_grpc.FeedServicer):
     def __init__(self, roots: DataRoots, pool: DecodePool, shm: ShmNamespace,
                  limits: Limits, max_streams: int, metrics: ServerMetrics | None = None,
-                 device=None):
+                 device=None, watchdog: Watchdog | None = None):
+        self._watchdog = watchdog if watchdog is not None else Watchdog()
         self._roots = roots
         self._device = device  # a torch.device for cuda:N; None on a CPU server
         self._metrics = metrics if metrics is not None else ServerMetrics(pool)
@@ -61,7 +63,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         self._jobs = JobRegistry()
         self._memory = MemoryBudget(limits.max_memory_bytes)  # every stream's ring and plan
         self._lock = threading.Condition()
-        self.transports = (feed_pb2.TRANSPORT_INLINE, feed_pb2.TRANSPORT_SHM)
+        self.transports = (feed_pb2.TRANSPORT_INLINE,)
+        if shm.probe is not None:  # else /dev/shm was full or missing at start-up
+            self.transports += (feed_pb2.TRANSPORT_SHM,)
         self._gpu_uuid = ""
         if device is not None:
             from .cuda_ipc import gpu_uuid
@@ -76,7 +80,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             gpu_uuid=self._gpu_uuid,
             transports=self.transports,
             data_roots=self._roots.roots,
-            shm_probe=feed_pb2.ShmProbe(name=self._shm.probe.name, token=self._shm.probe_token),
+            shm_probe=feed_pb2.ShmProbe(name=self._shm.probe.name, token=self._shm.probe_token)
+            if self._shm.probe is not None else None,
             decode_threads=self._pool.threads,
         )
 
@@ -154,7 +159,12 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 return ring.host_buffer(), None, ring
             return bytearray(slots_bytes), None, None
         except (MemoryError, OSError, RuntimeError) as e:  # ENOSPC in /dev/shm, CUDA OOM
+            _log.warning("no memory for a %s stream's %d slots of %d bytes: %s",
+                         feed_pb2.Transport.Name(plan.transport), plan.num_slots,
+                         plan.layout.slot_bytes, e)
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               # the client's auto transport falls back to inline on this
+                               # beginning (client/loader.py): keep it
                                f"no memory for this stream's {plan.num_slots} slots of "
                                f"{plan.layout.slot_bytes} bytes: {e}; ask for a smaller "
                                f"prefetch or batch") from None
@@ -171,6 +181,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         header_sent_at = None
         log = _StreamLog(context.peer(), plan, job)
         ending = None
+        # A client that stops reading blocks the handler in `yield` (HTTP/2 flow
+        # control), where the lease timeout in Stream.published() cannot see it.
+        stalled = self._watchdog.alarm(lambda: _end_stalled(stream, context, plan.lease_timeout))
         try:
             if job is not None:
                 job.add_consumer(stream.wake)
@@ -179,6 +192,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             self._metrics.opened(stream, plan.transport)
             stream.start()
             reader.start()
+            stalled.arm(plan.lease_timeout)
             yield feed_pb2.ServerMessage(header=feed_pb2.StreamHeader(
                 transport=plan.transport,
                 shm_name=segment.name if segment else "",
@@ -189,13 +203,16 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 cuda_ipc=device_ring.export if device_ring else None,
                 classes=plan.classes,
             ))
+            stalled.disarm()
             header_sent_at = time.monotonic()
             for batch in stream.published():
                 if device_ring is not None and batch.rows:
                     device_ring.publish(batch, plan)
                 message = feed_pb2.ServerMessage(batch=_batch_message(batch, plan))
                 sending = time.perf_counter()
+                stalled.arm(plan.lease_timeout)
                 yield message  # returns once gRPC has taken the message
+                stalled.disarm()
                 log.sent(batch)
                 if batch.rows:
                     self._metrics.sent(plan.transport, message, time.perf_counter() - sending)
@@ -208,6 +225,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             log.status = f"UNKNOWN: {type(e).__name__}: {e}"
             raise
         finally:
+            stalled.close()
             log.ended()
             with self._lock:
                 self._streams.discard(stream)
@@ -226,6 +244,14 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         # (with its plan) in a reference cycle, freed only at a garbage collection.
         if ending is not None and ending[0] is not None:
             context.abort(*ending)
+
+
+def _end_stalled(stream: Stream, context, lease_timeout: float) -> None:
+    """End a stream whose client has not taken a message for ``lease_timeout`` seconds."""
+    message = (f"lease timeout: the trainer read nothing for {lease_timeout:g} s "
+               f"(server's --lease-timeout); resume from your position")
+    stream.cancel(grpc.StatusCode.UNAVAILABLE, message)
+    end_call(context, grpc.StatusCode.UNAVAILABLE, message)
 
 
 def _read_client(request_iterator, stream: Stream, segment) -> None:
@@ -247,6 +273,11 @@ def _read_client(request_iterator, stream: Stream, segment) -> None:
                 if segment is not None:
                     segment.unlink()
                 stream.attach()
+            elif kind == "open":
+                stream.cancel(grpc.StatusCode.INVALID_ARGUMENT,
+                              "open: a stream takes one `open` message, its first; this one "
+                              "sent another")
+                return
     except grpc.RpcError as e:  # the call ended; the handler cleans up
         # gRPC keeps this error in the call's state, which the traceback's frames refer
         # to: a cycle through this frame that would keep the stream (and its plan)

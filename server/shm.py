@@ -84,17 +84,31 @@ class ShmNamespace:
         if removed:
             _log.info("removed %d shared-memory segments left by dead servers", removed)
         self.probe_token = secrets.token_bytes(16)
+        try:
+            self.probe: SharedSegment | None = self._make_probe()
+        except OSError as e:  # /dev/shm full or missing: the server still serves inline
+            _log.warning("no shared memory: cannot create the probe segment in %s (%s); "
+                         "offering the inline transport only", SHM_DIR, e)
+            self.probe = None
+
+    def _make_probe(self) -> SharedSegment:
         # Lock the probe before it carries a name that a starting server would sweep.
-        self.probe = SharedSegment(f".gpufeed-new-{self.server_id}", len(self.probe_token))
-        fcntl.flock(self.probe._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self.probe.buffer[:] = self.probe_token
-        self.probe.rename(f"gpufeed-{self.server_id}-probe")
+        probe = SharedSegment(f".gpufeed-new-{self.server_id}", len(self.probe_token))
+        try:
+            fcntl.flock(probe._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            probe.buffer[:] = self.probe_token
+            probe.rename(f"gpufeed-{self.server_id}-probe")
+        except BaseException:
+            probe.close()
+            raise
+        return probe
 
     def create(self, size: int) -> SharedSegment:
         return SharedSegment(f"gpufeed-{self.server_id}-{secrets.token_hex(8)}", size)
 
     def close(self) -> None:
-        self.probe.close()
+        if self.probe is not None:
+            self.probe.close()
 
 
 def _remove_stale() -> int:

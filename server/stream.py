@@ -38,6 +38,22 @@ __all__ = ["Batch", "Stream", "StreamCancelled"]
 _log = logging.getLogger(__name__)
 
 
+_logged_bugs: set[str] = set()  # exception types whose traceback the log has shown
+
+
+def log_sample_bug(error: Exception, index: int, path: str) -> None:
+    """Log a sample's unexpected error with its traceback the first time its type is
+    seen in this process, and at debug level after that: a bug that every sample
+    hits would otherwise write a traceback per sample. The client gets each
+    failure's reason anyway, and the failure metric counts them."""
+    kind = type(error).__name__
+    if kind in _logged_bugs:
+        _log.debug("sample %d of %s: %s: %s", index, path, kind, error)
+        return
+    _logged_bugs.add(kind)
+    _log.error("sample %d of %s", index, path, exc_info=error)
+
+
 class StreamCancelled(Exception):
     """The stream ended before its last batch.
 
@@ -91,7 +107,7 @@ class Batch:
             except DecodeError as e:
                 failure = str(e)
             except Exception as e:  # a bug: fail the sample, keep the stream, say so in the log
-                _log.exception("sample %d of %s", index, stream.plan.paths[index])
+                log_sample_bug(e, index, stream.plan.paths[index])
                 failure = f"internal error: {type(e).__name__}: {e}"
         with stream.cond:
             if failure is not None:

@@ -38,6 +38,12 @@ Box = tuple[float, float, float, float]
 CropRule = Callable[[int, int], Box]
 
 
+# Aspect ratios of random crops outside [1/100, 100] only make degenerate crops
+# (a row of pixels scaled up a hundredfold). No real normalisation has a std under
+# 1e-6, and a much smaller one overflows float32 in 1 / (255 std).
+_MIN_RATIO = 0.01
+_MIN_STD = 1e-6
+
 _CROP, _FLIP, CLIP = 0, 1, 2  # one generator per decision: one's draws never shift another's
 
 
@@ -67,9 +73,9 @@ def random_resized_crop_box(rng: np.random.Generator, height: int, width: int,
             return top, left, h, w
     in_ratio = width / height
     if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
+        w, h = width, max(1, int(round(width / ratio[0])))
     elif in_ratio > ratio[1]:
-        h, w = height, int(round(height * ratio[1]))
+        h, w = height, max(1, int(round(height * ratio[1])))
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
@@ -82,6 +88,10 @@ class OutputTransform:
         self.height, self.width = spec.height, spec.width
         self.frames = frames  # video: k frames per sample, each [3, H, W]; 0 for images
         self.resize = spec.resize
+        if spec.resize not in feed_pb2.Resize.values():
+            raise ValueError(f"output.resize: unknown value {spec.resize}")
+        if spec.layout not in feed_pb2.Layout.values():
+            raise ValueError(f"output.layout: unknown value {spec.layout}")
         self.seed, self.epoch = seed, epoch
         self.flip_probability = spec.flip_probability
         if not 0 <= spec.flip_probability <= 1:
@@ -98,15 +108,20 @@ class OutputTransform:
         if not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise ValueError(f"output.scale_min/scale_max must satisfy 0 < min <= max <= 1, "
                              f"got {self.scale}")
-        if not 0 < self.ratio[0] <= self.ratio[1]:
-            raise ValueError(f"output.ratio_min/ratio_max must satisfy 0 < min <= max, "
-                             f"got {self.ratio}")
+        if not _MIN_RATIO <= self.ratio[0] <= self.ratio[1] <= 1 / _MIN_RATIO:
+            raise ValueError(f"output.ratio_min/ratio_max must satisfy {_MIN_RATIO:g} <= min "
+                             f"<= max <= {1 / _MIN_RATIO:g}, got {self.ratio}")
         if spec.dtype and spec.dtype not in _DTYPES:
             raise ValueError(f"output.dtype must be one of {', '.join(_DTYPES)}, got {spec.dtype!r}")
         self.dtype = _DTYPES[spec.dtype or "uint8"]
         if bool(spec.mean) != bool(spec.std) or len(spec.mean) not in (0, 3) or \
-                len(spec.std) not in (0, 3) or any(s <= 0 for s in spec.std):
-            raise ValueError("output.mean and output.std need three values each, std > 0")
+                len(spec.std) not in (0, 3):
+            raise ValueError("output.mean and output.std need three values each")
+        if not all(math.isfinite(m) for m in spec.mean):
+            raise ValueError(f"output.mean must be finite, got {list(spec.mean)}")
+        if not all(_MIN_STD <= s < math.inf for s in spec.std):
+            raise ValueError(f"output.std must be finite and at least {_MIN_STD:g}, "
+                             f"got {list(spec.std)}")
         if spec.mean and self.dtype == torch.uint8:
             raise ValueError("output.mean/std need a float output.dtype")
         self.mean, self.std = list(spec.mean), list(spec.std)

@@ -45,6 +45,7 @@ from typing import BinaryIO
 import av
 import numpy as np
 
+from .containers import HEAD_BYTES, VIDEO_FORMATS, open_container, video_format
 from .decode import DEFAULT_MAX_PIXELS, DecodeError, RgbScaler
 
 __all__ = ["VideoDecoder", "centred_start", "random_start"]
@@ -85,9 +86,13 @@ class VideoDecoder:
         first frame, which must leave room for the clip (``centred_start`` and
         ``random_start`` do; anything else is a ValueError, a caller's bug).
         Raises DecodeError when the file has no video stream, is too short for
-        the clip, or cannot be decoded. ``file`` may be a path, which FFmpeg
-        reads itself, or a seekable binary file, read through Python callbacks.
+        the clip, is not in an allowed container (containers.py), or cannot be
+        decoded. ``file`` is a seekable binary file, read through Python
+        callbacks, or a path, opened here.
         """
+        if isinstance(file, str):  # read through Python too: FFmpeg may open nothing itself
+            with open(file, "rb") as opened:
+                return self.decode_clip_into(opened, out, stride=stride, start=start)
         k, channels, _, _ = out.shape
         if channels != 3 or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 [k, 3, H, W], not {out.dtype} {out.shape}")
@@ -95,7 +100,7 @@ class VideoDecoder:
             raise ValueError(f"a clip needs k >= 1 and stride >= 1, not k={k}, stride={stride}")
         span = _span(k, stride)
         try:
-            with av.open(file, mode="r") as container:
+            with _open(file) as container:
                 if not container.streams.video:
                     raise DecodeError("no video stream")
                 stream = container.streams.video[0]
@@ -198,6 +203,16 @@ class _Clock:
         else:
             return 0
         return int(seconds * self.rate + Fraction(1, 1000))
+
+
+def _open(file: BinaryIO):
+    """The video opened with the demuxer its first bytes call for, from the allow-list."""
+    head = file.read(HEAD_BYTES)
+    file.seek(0)
+    demuxer = video_format(head)
+    if demuxer is None:
+        raise DecodeError(f"not a supported video format ({', '.join(VIDEO_FORMATS)})")
+    return open_container(file, demuxer)
 
 
 def _span(k: int, stride: int) -> int:
