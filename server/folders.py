@@ -22,7 +22,6 @@ way a sample whose class folder is not a class is refused, naming it.
 from __future__ import annotations
 
 import os
-import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -117,16 +116,16 @@ def _walk(top: str, name: str, roots: DataRoots, seen: set[str], limit: int
     found, count = [], 0
 
     def fail(error: OSError) -> None:
-        raise FolderError(f"cannot list {_shown(error.filename, roots)!r} under {name!r}: "
+        raise FolderError(f"cannot list {roots.shown(error.filename)!r} under {name!r}: "
                           f"{error.strerror or error}")
 
     for parent, _, files in os.walk(top, onerror=fail, followlinks=True):
         real = os.path.realpath(parent)
         if roots.root_of(real) is None:
-            raise OutsideDataRoots(f"{_shown(parent, roots)!r} (under {name!r}) resolves "
+            raise OutsideDataRoots(f"{roots.shown(parent)!r} (under {name!r}) resolves "
                                    f"outside the data roots")
         if real in seen:
-            raise FolderError(f"{_shown(parent, roots)!r} (under {name!r}) is a directory "
+            raise FolderError(f"{roots.shown(parent)!r} (under {name!r}) is a directory "
                               f"listed already (a symlink loop, or a second link to it)")
         seen.add(real)
         found.append((parent, [f for f in files if is_sample_file(f)]))
@@ -152,8 +151,8 @@ def folder_labels(samples: SampleFiles, classes: list[str], roots: DataRoots
             raise FolderError(
                 f"label_source: LABELS_FROM_FOLDER: samples[{first}] "
                 f"({samples.names[first]!r}) and samples[{other}] ({samples.names[other]!r}) "
-                f"are in different dataset directories ({_shown(found[0], roots)!r} and "
-                f"{_shown(found[1], roots)!r}); give the classes explicitly")
+                f"are in different dataset directories ({roots.shown(found[0])!r} and "
+                f"{roots.shown(found[1])!r}); give the classes explicitly")
         classes = _subdirectories(found[0], samples.names[0], roots)
     number = {name: i for i, name in enumerate(classes)}
     labels = np.empty(len(folders), dtype=np.int64)
@@ -195,7 +194,7 @@ def _class_folders(samples: SampleFiles, roots: DataRoots) -> tuple[list[str], l
 
 def _subdirectories(dataset: str, example: str, roots: DataRoots) -> list[str]:
     """ImageFolder's classes: the sorted names of the directories in ``dataset``."""
-    shown = _shown(dataset, roots)
+    shown = roots.shown(dataset)
     if roots.root_of(os.path.realpath(dataset)) is None:
         raise OutsideDataRoots(f"the dataset directory {shown!r} resolves outside the data roots")
     if not os.path.isdir(dataset):
@@ -203,8 +202,3 @@ def _subdirectories(dataset: str, example: str, roots: DataRoots) -> list[str]:
                           f"(of {example!r}) is not a directory on the server", not_found=True)
     return sorted(entry.name for entry in _entries(dataset, shown) if entry.is_dir())
 
-
-def _shown(path: str, roots: DataRoots) -> str:
-    """A located path as a request would name it: relative to its data root."""
-    root = roots.root_of(path)
-    return posixpath.relpath(path, root) if root else path

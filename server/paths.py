@@ -111,6 +111,11 @@ class DataRoots:
             raise NotReadable(f"file grew past its size of {size} bytes while it was read")
         return data
 
+    def shown(self, path: str) -> str:
+        """A located path as a request would name it, for messages: relative to its root."""
+        root = self.root_of(path)
+        return os.path.relpath(path, root) if root else path
+
     def root_of(self, path: str) -> str | None:
         """The root a normalised absolute path lies under (lexically), or None."""
         for root in self.roots:

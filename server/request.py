@@ -242,9 +242,9 @@ def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarra
                            f"batch layout") from None
     except (OSError, DecodeError) as e:
         raise _invalid(f"samples[0]: {name!r}: {e}") from None
-    for key, array in first.items():
-        if array.dtype.kind not in "biufc":
-            raise _invalid(f"samples[0]: {name!r}: {key!r} is {array.dtype}, which has no "
+    for key, values in first.items():
+        if values.dtype.kind not in "biufc":
+            raise _invalid(f"samples[0]: {name!r}: {key!r} is {values.dtype}, which has no "
                            f"tensor type")
         if key in ("index", "label", "padded"):
             raise _invalid(f"samples[0]: {name!r}: the key {key!r} is reserved for gpufeed's own "

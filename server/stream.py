@@ -139,8 +139,13 @@ class Batch:
         ok = np.ones(len(self.indices), dtype=bool)
         for row, _ in self.failures:
             ok[row] = False
-        self.failures = sorted((int(self.indices[row]), why) for row, why in self.failures)
         self._stream.metrics.failed([why for _, why in self.failures])
+        # Each reason names its file: a trainer that named a directory has no list to
+        # look the index up in.
+        roots = self._stream.roots
+        self.failures = sorted(
+            (index, f"{roots.shown(plan.paths[index])}: {why}")
+            for index, why in ((int(self.indices[row]), why) for row, why in self.failures))
         self.rows = rows = int(ok.sum())
         if rows < len(self.indices):
             for array in self.arrays.values():

@@ -100,7 +100,7 @@ def test_bad_files_fail_alone_among_200_good(data_dir, image_names, odd_files):
     assert set(failed) == must_fail, failed
     assert sorted(got) == sorted(set(range(len(files))) - must_fail)  # every other sample once
     reasons = {names[i - 100]: failed[i] for i in failed}
-    assert reasons["odd/empty.jpg"] == "empty file"
+    assert reasons["odd/empty.jpg"] == "odd/empty.jpg: empty file"
     assert "60000x60000" in reasons["odd/bomb.jpg"] and "--max-pixels" in reasons["odd/bomb.jpg"]
     assert "50000x50000" in reasons["odd/bomb.png"]
     # A decoded 60000 x 60000 frame alone would take 5.4 GB; nothing near was allocated.

@@ -150,6 +150,18 @@ def test_a_file_directly_in_a_listed_directory_has_no_class(feed, tree):
     assert batch["index"].tolist() == [0, 1]
 
 
+def test_a_failed_sample_of_a_directory_names_its_file(feed, tree):
+    """A trainer that named a directory has no list to look a failed index up in: the
+    failure says which file it was, as the request would name it."""
+    (tree / "broken" / "cat").mkdir(parents=True)
+    (tree / "broken" / "cat" / "a.jpg").write_bytes((tree / "val" / "cat" / "cat.jpg").read_bytes())
+    (tree / "broken" / "cat" / "b.jpg").write_bytes(b"not a JPEG")
+    loader = feed.loader(files="broken/", batch_size=2, size=(8, 8), labels="folder")
+    assert [b["index"].tolist() for b in loader] == [[0]]
+    ((index, reason),) = loader.failures
+    assert index == 1 and reason.startswith("broken/cat/b.jpg: not a supported image format")
+
+
 @pytest.mark.parametrize("files, code, words", [
     ("escape/", grpc.StatusCode.PERMISSION_DENIED, ["escape/link", "outside the data roots"]),
     ("big/", grpc.StatusCode.RESOURCE_EXHAUSTED, ["'big/'", "--max-samples"]),

@@ -130,7 +130,9 @@ def _run_pass(client: FeedClient, data_root: Path, transport: str) -> dict:
         got["batches"] += 1
         got["bytes"] += sum(t.numel() * t.element_size() for t in batch.values())
     assert loader.transport == transport
-    got["failures"] = sorted(failure_reason(reason) for _, reason in loader.failures)
+    # A reason is "<file>: <why>"; the metric's category is the why's.
+    got["failures"] = sorted(failure_reason(reason.split(": ", 1)[1])
+                             for _, reason in loader.failures)
     return got
 
 

@@ -100,7 +100,7 @@ def test_failure_budget_ends_the_stream_with_examples(feed, data_dir, image_name
     with pytest.raises(FeedError) as info:
         _indices(feed.loader(files=files, batch_size=4, size=(8, 8), failure_budget=2))
     assert info.value.code == grpc.StatusCode.DATA_LOSS
-    assert "3 samples failed" in str(info.value) and "sample 20: file not found" in str(info.value)
+    assert "3 samples failed" in str(info.value) and "sample 20: gone1.jpg: file not found" in str(info.value)
     assert len(_indices(feed.loader(files=files, batch_size=4, size=(8, 8),
                                     failure_budget=3))) == 20
     assert len(_indices(feed.loader(files=files, batch_size=4, size=(8, 8),

@@ -159,4 +159,4 @@ def test_a_job_consumer_over_its_failure_budget_leaves_the_others_whole(feed, im
     lenient = feed.loader(files=files, batch_size=2, size=(8, 8), job="job-c", prefetch=1,
                           failure_budget=5)
     assert sorted(_indices(lenient)) == list(range(1, 40))
-    assert lenient.failures == [(0, "file not found")]
+    assert lenient.failures == [(0, "missing-a.jpg: file not found")]

@@ -124,7 +124,7 @@ def test_bad_samples_fail_alone(feed, data_dir, image_names):
     assert all(b["label"].tolist() == b["index"].tolist() for b in batches)
     failures = dict(loader.failures)
     assert sorted(failures) == [10, 11, 12]
-    assert failures[11] == "file not found"
+    assert failures[11] == "missing.jpg: file not found"
     assert "empty" in failures[12]
 
 
