@@ -100,6 +100,13 @@ ROWS = {
     "tf": _row("tf.data, in-process", "tfdata", "squash"),
     "tf-service": _row("tf.data service -> trainer process", "tfdata", "squash", True),
     "dali": _row("DALI, CPU only (decoders.image + resize)", "dali", "squash"),
+    # Across a network hop (bench/netns.py): server and trainer in two namespaces.
+    "gpufeed-inline-veth": _row("gpufeed -> trainer over a veth link, inline", "remote", "squash",
+                                None),
+    "gpufeed-inline-10g": _row("gpufeed -> trainer over a 10 Gbit/s link, inline", "remote",
+                               "squash", "10gbit"),
+    "gpufeed-inline-1g": _row("gpufeed -> trainer over a 1 Gbit/s link, inline", "remote",
+                              "squash", "1gbit"),
     # training: random-resized-crop + flip, uint8
     "gpufeed-shm-rrc-u8": _row("gpufeed -> trainer process, shm, random-resized-crop + flip",
                                "gpufeed", "train-u8", "shm"),
