@@ -113,7 +113,12 @@ class InlineBatches:
                 raise FeedError(grpc.StatusCode.UNIMPLEMENTED,
                                 f"the server sent {name}-compressed batches; this client "
                                 f"knows {', '.join(sorted(DECOMPRESSORS))}")
-            self._decompress[name] = DECOMPRESSORS[name]()
+            try:
+                self._decompress[name] = DECOMPRESSORS[name]()
+            except ImportError as e:
+                raise FeedError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{name}-compressed batches need {e.name} in the trainer: "
+                                f"pip install 'gpufeed[compression]'") from None
         return self._decompress[name]
 
 

@@ -172,7 +172,8 @@ def _compression(name: str, transport: int) -> tuple[str, Callable | None]:
         return name, COMPRESSORS[name]()
     except ImportError as e:
         raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"compression: {name} needs {e.name} on the server") from None
+                           f"compression: {name} needs {e.name} on the server "
+                           f"(pip install 'gpufeed[compression]')") from None
 
 
 def _served_batches(req: feed_pb2.StreamRequest, batches: list[np.ndarray]
