@@ -10,12 +10,15 @@ Addresses are in the loopback range (``127.10.0.1`` for the server, ``.2`` for
 the trainer), so nothing can ever leave the machine. The kernel drops such
 packets on a non-loopback interface unless ``route_localnet`` is set: it is
 set inside both namespaces (``all`` and the veth), never on the host. Each
-namespace's own ``lo`` stays down: up, its local route for 127.0.0.0/8 would
-claim the peer's address.
+namespace's ``lo`` is up (a process reaches its own addresses through it:
+the tf.data service's worker its dispatcher) with 127.0.0.1/32 and without
+the local route for 127.0.0.0/8 the kernel adds, which would claim the peer's
+address.
 
 Names carry this process's id and a counter, so parallel runs do not collide,
 and ``VethLink`` removes both namespaces (which removes the veth pair) however
-it is left. Making namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN):
+it is left; those of a process killed outright are removed by the next link
+made. Making namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN):
 ``unavailable_reason()`` says why it cannot be done here, for rows that then
 say "unavailable" and tests that skip.
 
@@ -30,6 +33,7 @@ import ctypes
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -40,6 +44,7 @@ CLIENT_ADDRESS = "127.10.0.2"
 _PREFIX_LENGTH = 24
 _CLONE_NEWNET = 0x40000000
 _counter = itertools.count()
+_OURS = re.compile(r"gpufeed-(\d+)-\d+-(?:server|trainer)")
 
 
 def _ip(*args: str) -> str:
@@ -73,10 +78,10 @@ class VethLink:
     """
 
     def __init__(self, rate: str | None = None):
-        tag = f"{os.getpid()}-{next(_counter)}"
-        self.server_ns = f"gpufeed-{tag}-server"
-        self.client_ns = f"gpufeed-{tag}-trainer"
-        short = f"{os.getpid() % 100000}{next(_counter) % 100}"
+        number = next(_counter)
+        self.server_ns = f"gpufeed-{os.getpid()}-{number}-server"
+        self.client_ns = f"gpufeed-{os.getpid()}-{number}-trainer"
+        short = f"{os.getpid() % 100000}{number % 100}"
         self.server_dev = f"gfs{short}"  # interface names: at most 15 characters
         self.client_dev = f"gfc{short}"
         self.rate = rate
@@ -95,6 +100,7 @@ class VethLink:
         self.remove()
 
     def _create(self) -> None:
+        _remove_orphans()
         for ns in (self.server_ns, self.client_ns):
             _ip("netns", "add", ns)
             self._made.append(ns)
@@ -102,6 +108,9 @@ class VethLink:
             "peer", "name", self.client_dev, "netns", self.client_ns)
         for ns, dev, address in ((self.server_ns, self.server_dev, SERVER_ADDRESS),
                                  (self.client_ns, self.client_dev, CLIENT_ADDRESS)):
+            _ip("-n", ns, "addr", "add", "127.0.0.1/32", "dev", "lo")  # before up: no /8
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "route", "del", "local", "127.0.0.0/8", "dev", "lo", "table", "local")
             for key in ("all", dev):  # inside the namespace: the host's own settings stay
                 self._sysctl(ns, f"net.ipv4.conf.{key}.route_localnet", "1")
             _ip("-n", ns, "addr", "add", f"{address}/{_PREFIX_LENGTH}", "dev", dev)
@@ -143,6 +152,15 @@ class VethLink:
         shown = json.loads(_ip("-j", "-s", "-n", self.server_ns, "link", "show",
                                "dev", self.server_dev))
         return int(shown[0]["stats64"]["tx"]["bytes"])
+
+
+def _remove_orphans() -> None:
+    """Delete the namespaces of links whose process died without removing them (SIGKILL)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in listed.splitlines():
+        match = _OURS.fullmatch(line.split(" ", 1)[0])
+        if match and not os.path.exists(f"/proc/{match.group(1)}"):
+            subprocess.run(["ip", "netns", "del", match.group(0)], capture_output=True)
 
 
 def enter(namespace: str) -> None:

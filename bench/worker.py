@@ -107,6 +107,12 @@ ROWS = {
                                "squash", "10gbit"),
     "gpufeed-inline-1g": _row("gpufeed -> trainer over a 1 Gbit/s link, inline", "remote",
                               "squash", "1gbit"),
+    "tf-service-veth": _row("tf.data service -> trainer over a veth link", "remote", "squash",
+                            None, "tf"),
+    "tf-service-10g": _row("tf.data service -> trainer over a 10 Gbit/s link", "remote",
+                           "squash", "10gbit", "tf"),
+    "tf-service-1g": _row("tf.data service -> trainer over a 1 Gbit/s link", "remote",
+                          "squash", "1gbit", "tf"),
     # training: random-resized-crop + flip, uint8
     "gpufeed-shm-rrc-u8": _row("gpufeed -> trainer process, shm, random-resized-crop + flip",
                                "gpufeed", "train-u8", "shm"),
