@@ -2,8 +2,9 @@
 
 Every transport builds a batch's tensors the same way: as views of one storage
 per batch that holds the slot's bytes (``slot_tensors``). For inline the
-storage is a copy of the message's bytes, which the tensors own, so the slot
-is released as soon as the message is read.
+storage is the received message's bytes themselves (read-only views; owned
+copies with ``copy=True``), so the slot is released as soon as the message is
+read.
 
 shm and cuda_ipc: the storage aliases the stream's shared slot, no copy, and
 the slot goes back when the trainer drops the batch (no tensor refers to it
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -34,6 +36,7 @@ import torch
 from gpufeed.v1 import feed_pb2
 
 from .errors import FeedError
+from .inline import DECOMPRESSORS
 from .shm import map_segment
 
 __all__ = ["HeldSlots", "InlineBatches", "SharedSlots", "ShmBatches", "slot_tensors"]
@@ -70,16 +73,53 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 class InlineBatches:
+    """Inline batches: tensors are read-only views of each received message's bytes
+    (``inline.parse``), decompressed first when the stream is compressed; with
+    ``copy``, owned writable tensors (one copy of the bytes).
+
+    Nothing is shared with the server, so the slot is released as soon as the
+    message is read, whatever the trainer keeps.
+    """
+
+    def __init__(self, copy: bool = False):
+        self._copy = copy
+        self._decompress: dict[str, Callable] = {}
+
     def make_room(self) -> None:
         pass
 
     def close(self) -> None:
         pass
 
-    def tensors(self, batch: feed_pb2.Batch) -> tuple[dict[str, torch.Tensor], bool]:
-        """The batch's tensors, and True: they are owned, the slot can go back now."""
-        owned = torch.frombuffer(bytearray(batch.data), dtype=torch.uint8)
-        return slot_tensors(owned.untyped_storage(), batch.tensors), True
+    def tensors(self, batch) -> tuple[dict[str, torch.Tensor], bool]:
+        """The batch's tensors, and True: nothing of the server's is held, the slot can
+        go back now."""
+        data = batch.data  # a view of the message (inline.parse), or bytes
+        if batch.compression:
+            data = self._decompressor(batch.compression)(data)
+        if not data:  # every sample failed: empty tensors (frombuffer refuses b"")
+            return slot_tensors(torch.UntypedStorage(0), batch.tensors), True
+        if self._copy:
+            data = bytearray(data)
+        with warnings.catch_warnings():
+            # torch warns (once) that it cannot mark a tensor read-only; the class says so.
+            warnings.filterwarnings("ignore", "The given buffer is not writable")
+            storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+        return slot_tensors(storage, batch.tensors), True
+
+    def _decompressor(self, name: str) -> Callable:
+        if name not in self._decompress:
+            if name not in DECOMPRESSORS:
+                raise FeedError(grpc.StatusCode.UNIMPLEMENTED,
+                                f"the server sent {name}-compressed batches; this client "
+                                f"knows {', '.join(sorted(DECOMPRESSORS))}")
+            try:
+                self._decompress[name] = DECOMPRESSORS[name]()
+            except ImportError as e:
+                raise FeedError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{name}-compressed batches need {e.name} in the trainer: "
+                                f"pip install 'gpufeed[compression]'") from None
+        return self._decompress[name]
 
 
 class HeldSlots:

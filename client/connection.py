@@ -8,6 +8,7 @@ import grpc
 
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
+from . import inline
 from .errors import FeedError
 from .shm import shares_shm
 
@@ -17,8 +18,17 @@ _log = logging.getLogger(__name__)
 
 # Keepalive pings find a server that vanished without closing the connection
 # (host down, network cut) within about 5 s, instead of a hang.
+#
+# Inline batches are single messages of a few MB (4.8 MB for 32 x 3 x 224 x 224
+# uint8). HTTP/2's default frame size (16 KB) splits one into some 300 frames;
+# frames up to 16 MB let the server send it in a few. The stream's window
+# starts at 32 MB, room for the batches the server may have outstanding,
+# instead of growing from 64 KB by BDP probes (still on) during the first
+# batches of every stream.
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),  # inline batches are as large as they are
+    ("grpc.http2.max_frame_size", (1 << 24) - 1),
+    ("grpc.http2.lookahead_bytes", 32 << 20),
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 3000),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -39,6 +49,10 @@ class Connection:
             self._channel = grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.stub = feed_pb2_grpc.FeedStub(self._channel)
+        # Inline batches' arrays stay views of the received bytes (inline.parse).
+        self.stub.Stream = self._channel.stream_stream(
+            "/gpufeed.v1.Feed/Stream", request_serializer=feed_pb2.ClientMessage.SerializeToString,
+            response_deserializer=inline.parse, _registered_method=True)
         self.connect_timeout = connect_timeout
         # Whether the server has ever answered on this connection: until it has, the
         # address may be wrong or the server down, and a loader fails at once rather

@@ -101,7 +101,7 @@ class FeedClient:
                clip: tuple[int, int] | None = None, random_clip: bool = False,
                transport: str = "auto", prefetch: int = 0, copy: bool = False,
                failure_budget: int | float = 0, reconnect_timeout: float = 30.0,
-               job: str = "") -> Loader:
+               job: str = "", compression: str = "") -> Loader:
         """A loader over ``files``: a list of paths, or the path of a list file on the server
         (``str`` or ``pathlib.Path`` alike). A ``Path`` prefix is a directory: its
         files are ``prefix / name``; a ``str`` prefix is prepended as it is.
@@ -126,10 +126,14 @@ class FeedClient:
         Array files (.npy, .npz, .pt) need no ``size``: each key of the file is
         a tensor of that name ("array" for .npy). uint8 is 2-4x less
         to move than floats: over inline (remote) transports prefer it and
-        normalise on the trainer's GPU. ``prefetch`` is how many batches the server
+        normalise on the trainer's GPU. ``compression`` ("zstd" or "lz4"):
+        compress inline batches losslessly (worth it for array samples, not for
+        decoded pixels: see README.md). ``prefetch`` is how many batches the server
         may decode ahead (0: the server's default). ``copy=True`` makes shm and
         cuda_ipc batches owned tensors always, instead of views of shared memory
-        while the trainer holds fewer than ``prefetch`` of them.
+        while the trainer holds fewer than ``prefetch`` of them, and inline
+        batches owned, writable tensors instead of read-only views of the
+        received message.
         ``failure_budget``: how many samples may fail before the pass ends with
         DATA_LOSS; an int is a count, a float in (0, 1) a fraction of the pass,
         0 the server's default (10 samples or 0.1%). ``reconnect_timeout``:
@@ -161,7 +165,8 @@ class FeedClient:
             clip=feed_pb2.ClipSpec(frames=clip[0], stride=clip[1], random_start=random_clip)
             if clip else None,
             drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank,
-            world_size=world_size, transport=_TRANSPORTS[transport], prefetch=prefetch, job=job)
+            world_size=world_size, transport=_TRANSPORTS[transport], prefetch=prefetch, job=job,
+            compression=compression)
         if isinstance(failure_budget, float) and 0 < failure_budget < 1:
             request.max_failure_fraction = failure_budget
         elif isinstance(failure_budget, int) and failure_budget >= 0:

@@ -46,7 +46,7 @@ class OpenStream:
 
                 self._batches = CudaBatches(self.header, self._release, copy)
             else:
-                self._batches = InlineBatches()
+                self._batches = InlineBatches(copy)
             if self.header.transport != feed_pb2.TRANSPORT_INLINE:  # mapped or opened: say so
                 self._outbox.put(feed_pb2.ClientMessage(attached=feed_pb2.Attached()))
         except BaseException:

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gpufeed.v1 import feed_pb2, feed_pb2_grpc
+from gpufeed.v1 import feed_pb2
 
 from .auth import TokenInterceptor, server_credentials
 from .calls import CallGate, worker_threads
@@ -27,6 +27,7 @@ from .request import Limits
 from .service import FeedServicer
 from .shm import ShmNamespace
 from .watchdog import Watchdog
+from .wire import add_feed_servicer
 
 __all__ = ["FeedServer", "ServerConfig"]
 
@@ -115,7 +116,7 @@ class FeedServer:
         )
         self.servicer = FeedServicer(self._roots, self._pool, self._shm, config.limits,
                                      config.max_streams, self.metrics, device, self._watchdog)
-        feed_pb2_grpc.add_FeedServicer_to_server(self.servicer, self._grpc)
+        add_feed_servicer(self.servicer, self._grpc)  # inline batches: wire.serialize
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(

@@ -23,8 +23,9 @@ class ServerProcess:
     """``with ServerProcess(["--data-root", d]) as server: FeedClient(server.address)``."""
 
     def __init__(self, args: list[str], *, timeout: float = 60.0, env: dict | None = None,
-                 cwd: str | None = None):
-        self.args = ["--listen", "127.0.0.1:0", *args]
+                 cwd: str | None = None, prefix: list[str] = ()):
+        self.args = ["--listen", "127.0.0.1:0", *args]  # a later --listen in args wins
+        self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", name]: where it runs
         self.timeout = timeout
         self.env = env
         self.cwd = cwd
@@ -34,7 +35,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpufeed.server", *self.args],
+            [*self.prefix, sys.executable, "-m", "gpufeed.server", *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **(self.env or {})}, cwd=self.cwd)
         ready = threading.Event()

@@ -17,7 +17,7 @@ import os
 import posixpath
 import weakref
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -37,6 +37,7 @@ from .ring import BatchLayout
 from .samples import ARRAYS, VIDEO, ArrayRows, ImageRows, VideoRows, is_sample_file, sample_kind
 from .order import Batches, shard_order, split_batches
 from .transform import OutputTransform
+from .wire import COMPRESSORS
 
 __all__ = ["Limits", "RequestError", "StreamPlan", "plan_stream"]
 
@@ -90,6 +91,9 @@ class StreamPlan:
     prefetch: int
     max_failures: int
     lease_timeout: float
+    # Inline only: the request's compression ("" for none) and its compressor.
+    compression: str = ""
+    compress: Callable[[list[memoryview]], list[bytes]] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -160,6 +164,7 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
         offered = ", ".join(feed_pb2.Transport.Name(t) for t in transports)
         raise _invalid(f"transport: {name} is not offered by this server (offered: {offered})")
 
+    compression, compress = _compression(req.compression, transport)
     order = shard_order(len(names), rank=req.rank, world_size=world_size,
                         shuffle=req.shuffle, seed=req.seed, epoch=req.epoch)
     batches = _served_batches(req, split_batches(order, req.batch_size, req.drop_last))
@@ -172,10 +177,26 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                       transport=transport,
                       prefetch=prefetch,
                       max_failures=_failure_budget(req, batches.samples_from(0), limits),
-                      lease_timeout=limits.lease_timeout)
+                      lease_timeout=limits.lease_timeout, compression=compression,
+                      compress=compress)
     if plan.nbytes >= _TRIM_AFTER_BYTES:
         weakref.finalize(plan, return_free_memory)
     return plan
+
+
+def _compression(name: str, transport: int) -> tuple[str, Callable | None]:
+    """The compression an inline stream asked for, and its compressor; none for zero-copy."""
+    if name and name not in COMPRESSORS:
+        raise _invalid(f"compression: {name!r} is not one of {', '.join(sorted(COMPRESSORS))} "
+                       f"(or empty for none)")
+    if not name or transport != feed_pb2.TRANSPORT_INLINE:
+        return "", None
+    try:
+        return name, COMPRESSORS[name]()
+    except ImportError as e:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"compression: {name} needs {e.name} on the server "
+                           f"(pip install 'gpufeed[compression]')") from None
 
 
 def _served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:

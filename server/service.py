@@ -34,6 +34,7 @@ from .sources import JobRegistry, SharedJob
 from .shm import ShmNamespace
 from .stream import Batch, Stream, StreamCancelled
 from .watchdog import Watchdog, end_call
+from .wire import InlineBatch
 
 __all__ = ["FeedServicer"]
 
@@ -208,7 +209,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             for batch in stream.published():
                 if device_ring is not None and batch.rows:
                     device_ring.publish(batch, plan)
-                message = feed_pb2.ServerMessage(batch=_batch_message(batch, plan))
+                message = _batch_message(batch, plan)
                 sending = time.perf_counter()
                 stalled.arm(plan.lease_timeout)
                 yield message  # returns once gRPC has taken the message
@@ -315,15 +316,16 @@ class _StreamLog:
                  self.batches, self.failures, time.monotonic() - self._started, self.status)
 
 
-def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.Batch:
-    """The message of a batch. One whose every sample failed has no tensors: the
-    client notes its failures and yields nothing for it (an empty batch would
+def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.ServerMessage | InlineBatch:
+    """The message of a batch: arrays by slot, or (inline) views of its rows, which
+    ``wire.serialize`` writes once. One whose every sample failed has no tensors:
+    the client notes its failures and yields nothing for it (an empty batch would
     make a NaN loss), and its position still moves past it."""
     message = feed_pb2.Batch(seq=batch.seq, slot=batch.slot)
     for index, reason in batch.failures:
         message.failures.add(index=index, reason=reason)
     if not batch.rows:
-        return message
+        return feed_pb2.ServerMessage(batch=message)
     inline = plan.transport == feed_pb2.TRANSPORT_INLINE
     chunks, offset = [], 0
     for place in plan.layout.tensors:
@@ -333,8 +335,9 @@ def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.Batch:
         if inline and array.nbytes:
             chunks.append(memoryview(np.ascontiguousarray(array)).cast("B"))
             padding = -array.nbytes % _INLINE_ALIGN
-            chunks.append(bytes(padding))
+            if padding:
+                chunks.append(memoryview(bytes(padding)))
             offset += array.nbytes + padding
     if inline:
-        message.data = b"".join(chunks)
-    return message
+        return InlineBatch(message, chunks, plan.compress, plan.compression)
+    return feed_pb2.ServerMessage(batch=message)

@@ -95,13 +95,17 @@ def _dataset(tf, config, job: str):
             .prefetch(tf.data.AUTOTUNE))
 
 
-def run(config, meter, job: str, service: bool = False) -> str:
+def run(config, meter, job: str, service: bool = False, *, prefix: list[str] = (),
+        host: str = "") -> str:
+    """``prefix`` runs the service's process elsewhere (``ip netns exec NS``), where it
+    serves on ``host`` (bench/peers/remote.py); by default it serves on localhost."""
     if not service:
         tf = _tf()
         _read(_dataset(tf, config, job), meter, config, job)
         return f"num_parallel_calls={config.threads}, in the trainer's process, NHWC"
     # Start the service first: both processes import TensorFlow (seconds) at once.
-    child = subprocess.Popen([sys.executable, "-m", "bench.peers.tfdata", "serve"],
+    child = subprocess.Popen([*prefix, sys.executable, "-m", "bench.peers.tfdata", "serve",
+                              *([host] if host else [])],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         tf = _tf()
@@ -129,16 +133,20 @@ def _read(dataset, meter, config, job: str) -> None:
     meter.stop()
 
 
-def _serve() -> None:
+def _serve(host: str = "") -> None:
     tf = _tf()
     service = tf.data.experimental.service
     dispatcher = service.DispatchServer(service.DispatcherConfig(port=0))
     address = dispatcher.target.split("://", 1)[1]
-    worker = service.WorkerServer(service.WorkerConfig(dispatcher_address=address, port=0))
-    print(dispatcher.target, flush=True)
+    if host:  # trainers reach the dispatcher, then the worker, at this address
+        address = f"{host}:{address.rsplit(':', 1)[1]}"
+    worker = service.WorkerServer(service.WorkerConfig(
+        dispatcher_address=address, port=0,
+        **({"worker_address": f"{host}:%port%"} if host else {})))
+    print(f"grpc://{address}", flush=True)
     sys.stdin.read()  # until the trainer closes our stdin
     del worker, dispatcher
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
-    _serve()
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+    _serve(*sys.argv[2:3])

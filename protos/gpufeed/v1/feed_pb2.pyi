@@ -84,7 +84,7 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[StreamRequest, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job", "label_source", "clip", "classes", "batch_stride", "batch_offset")
+    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job", "label_source", "clip", "classes", "batch_stride", "batch_offset", "compression")
     FILES_FIELD_NUMBER: _ClassVar[int]
     LIST_FILE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class StreamRequest(_message.Message):
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     BATCH_STRIDE_FIELD_NUMBER: _ClassVar[int]
     BATCH_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     files: FileList
     list_file: str
     prefix: str
@@ -131,7 +132,8 @@ class StreamRequest(_message.Message):
     classes: _containers.RepeatedScalarFieldContainer[str]
     batch_stride: int
     batch_offset: int
-    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ..., label_source: _Optional[_Union[LabelSource, str]] = ..., clip: _Optional[_Union[ClipSpec, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ...) -> None: ...
+    compression: str
+    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ..., label_source: _Optional[_Union[LabelSource, str]] = ..., clip: _Optional[_Union[ClipSpec, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class ClipSpec(_message.Message):
     __slots__ = ("frames", "stride", "random_start")
@@ -262,15 +264,17 @@ class SampleFailure(_message.Message):
     def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("seq", "slot", "tensors", "data", "failures")
+    __slots__ = ("seq", "slot", "tensors", "data", "failures", "compression")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     seq: int
     slot: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     data: bytes
     failures: _containers.RepeatedCompositeFieldContainer[SampleFailure]
-    def __init__(self, seq: _Optional[int] = ..., slot: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ..., failures: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ...) -> None: ...
+    compression: str
+    def __init__(self, seq: _Optional[int] = ..., slot: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., data: _Optional[bytes] = ..., failures: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., compression: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,111 @@
+"""Reading ServerMessages without copying an inline batch's arrays out of them.
+
+gRPC's Python client hands a response deserializer the message as one
+``bytes`` (the one copy its API leaves). ``ServerMessage.FromString`` would
+copy ``Batch.data`` into the message, and reading ``batch.data`` would copy it
+again. ``parse`` instead finds ``data`` (field 4 of the batch), parses every
+other field with protobuf, and keeps ``data`` as a view of the received
+bytes: the batch's tensors are views of it too (``InlineBatches``).
+
+Messages without ``data`` (the header, zero-copy batches) are parsed as usual.
+"""
+
+from __future__ import annotations
+
+from gpufeed.v1 import feed_pb2
+
+__all__ = ["DECOMPRESSORS", "ReceivedBatch", "parse"]
+
+_BATCH_FIELD = 2  # ServerMessage.batch
+_DATA_FIELD = 4  # Batch.data
+_LENGTH_DELIMITED = 2
+
+
+def _zstd():
+    import zstandard
+
+    return zstandard.ZstdDecompressor().decompress  # the size is in the frame
+
+
+def _lz4():
+    import lz4.frame
+
+    return lz4.frame.decompress
+
+
+# Batch.compression -> a factory of functions (compressed buffer -> bytes).
+DECOMPRESSORS = {"zstd": _zstd, "lz4": _lz4}
+
+
+class ReceivedBatch:
+    """A Batch's fields (``fields``, a ``feed_pb2.Batch`` without data) and its
+    ``data``: a read-only view of the received message."""
+
+    __slots__ = ("fields", "data")
+
+    def __init__(self, fields: feed_pb2.Batch, data: memoryview):
+        self.fields = fields
+        self.data = data
+
+    def __getattr__(self, name: str):
+        return getattr(self.fields, name)
+
+
+class _Received:
+    """What ``parse`` gives for a batch carrying data: ``.batch`` as a ServerMessage has."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: ReceivedBatch):
+        self.batch = batch
+
+    def WhichOneof(self, oneof: str) -> str:  # noqa: N802 (protobuf's name)
+        return "batch"
+
+
+def _varint(buffer: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buffer[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _skip(buffer: memoryview, pos: int, wire_type: int) -> int:
+    if wire_type == 0:
+        return _varint(buffer, pos)[1]
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == _LENGTH_DELIMITED:
+        length, pos = _varint(buffer, pos)
+        return pos + length
+    if wire_type == 5:
+        return pos + 4
+    raise ValueError(f"unexpected wire type {wire_type}")
+
+
+def parse(raw: bytes) -> feed_pb2.ServerMessage | _Received:
+    """The Stream method's response deserializer."""
+    view = memoryview(raw)
+    tag, pos = _varint(view, 0) if raw else (0, 0)
+    if tag != (_BATCH_FIELD << 3 | _LENGTH_DELIMITED):
+        return feed_pb2.ServerMessage.FromString(raw)
+    length, pos = _varint(view, pos)
+    if pos + length != len(raw):  # more than one top-level field: not ours to take apart
+        return feed_pb2.ServerMessage.FromString(raw)
+    fields, data = [], None
+    while pos < len(raw):
+        start = pos
+        tag, pos = _varint(view, pos)
+        if tag == (_DATA_FIELD << 3 | _LENGTH_DELIMITED):
+            size, pos = _varint(view, pos)
+            data, pos = view[pos:pos + size], pos + size
+        else:
+            pos = _skip(view, pos, tag & 7)
+            fields.append(view[start:pos])
+    if data is None:
+        return feed_pb2.ServerMessage.FromString(raw)
+    return _Received(ReceivedBatch(feed_pb2.Batch.FromString(b"".join(fields)), data))

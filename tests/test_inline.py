@@ -1,0 +1,103 @@
+"""Inline batches as a remote trainer gets them: the same tensors as shm, a wire any
+protobuf client parses, and optional lossless compression of array samples."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from gpufeed.client import FeedClient
+from gpufeed.client.errors import FeedError
+from gpufeed.server.process import ServerProcess
+from gpufeed.v1 import feed_pb2, feed_pb2_grpc
+
+
+def _batches(loader) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.clone() for k, v in b.items()} for b in loader]
+
+
+def test_inline_tensors_equal_shm_tensors(feed, image_names):
+    options = dict(files=image_names[:40], batch_size=16, size=(32, 48), shuffle=True, seed=3,
+                   labels=list(range(40)))
+    inline = _batches(feed.loader(transport="inline", **options))
+    shm = _batches(feed.loader(transport="shm", **options))
+    assert len(inline) == len(shm) == 3  # the last one short
+    for a, b in zip(inline, shm):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key])
+
+
+def test_inline_copy_gives_owned_writable_tensors(feed, image_names):
+    batch = next(iter(feed.loader(files=image_names[:4], batch_size=4, size=(8, 8),
+                                  transport="inline", copy=True)))
+    image = batch["image"]
+    reference = image.clone()
+    image.zero_()  # in place: the trainer's own memory
+    assert not torch.equal(image, reference)
+
+
+def test_an_inline_batch_is_a_valid_server_message_for_any_client(server, feed, image_names):
+    """Stock protobuf (the generated stub's deserializer) reads what gpufeed's client reads."""
+    files = image_names[:10]
+    ours = _batches(feed.loader(files=files, batch_size=4, size=(16, 16), transport="inline"))
+    request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=files), batch_size=4,
+                                     output=feed_pb2.OutputSpec(height=16, width=16),
+                                     transport=feed_pb2.TRANSPORT_INLINE)
+    with grpc.insecure_channel(server.address,
+                               options=[("grpc.max_receive_message_length", -1)]) as channel:
+        call = feed_pb2_grpc.FeedStub(channel).Stream(
+            iter([feed_pb2.ClientMessage(open=request)]))
+        messages = list(call)
+    assert messages[0].WhichOneof("kind") == "header"
+    batches = [m.batch for m in messages[1:]]
+    assert [b.seq for b in batches] == [0, 1, 2]
+    for theirs, mine in zip(batches, ours):
+        for meta in theirs.tensors:
+            array = np.frombuffer(theirs.data, np.dtype(meta.dtype), count=int(np.prod(meta.shape)),
+                                  offset=meta.offset).reshape(tuple(meta.shape))
+            assert torch.equal(torch.from_numpy(array.copy()), mine[meta.name])
+
+
+@pytest.fixture(scope="module")
+def array_server(tmp_path_factory):
+    """Array samples as a trainer might ship them: float features and a label mask."""
+    root = tmp_path_factory.mktemp("arrays")
+    rng = np.random.default_rng(5)
+    names = []
+    for i in range(20):
+        np.savez(root / f"s{i:02d}.npz",
+                 img=rng.standard_normal((3, 16, 16), dtype=np.float32),
+                 lbl=rng.integers(0, 21, (16, 16), dtype=np.uint8))
+        names.append(f"s{i:02d}.npz")
+    with ServerProcess(["--data-root", str(root), "--threads", "2"]) as proc:
+        yield proc, root, names
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_compressed_arrays_arrive_bit_for_bit(array_server, compression):
+    server, root, names = array_server
+    with FeedClient(server.address) as feed:
+        loader = feed.loader(files=names, batch_size=8, transport="inline",
+                             compression=compression)
+        batches = _batches(loader)
+    assert [len(b["index"]) for b in batches] == [8, 8, 4]
+    for batch in batches:
+        for row, index in enumerate(batch["index"].tolist()):
+            with np.load(root / names[index]) as want:
+                for key in ("img", "lbl"):
+                    got = batch[key][row].numpy()
+                    assert got.dtype == want[key].dtype
+                    assert got.tobytes() == want[key].tobytes()
+
+
+def test_an_unknown_compression_is_refused_naming_the_field(array_server):
+    server, _, names = array_server
+    with FeedClient(server.address) as feed:
+        with pytest.raises(FeedError) as error:
+            next(iter(feed.loader(files=names, batch_size=8, transport="inline",
+                                  compression="gzip")))
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "compression" in str(error.value) and "gzip" in str(error.value)
