@@ -21,7 +21,8 @@ from .auth import TokenInterceptor, server_credentials
 from .calls import CallGate, worker_threads
 from .decode import DEFAULT_MAX_PIXELS
 from .metrics import ServerMetrics
-from .paths import DEFAULT_MAX_FILE_BYTES, DataRoots
+from .paths import DEFAULT_MAX_FILE_BYTES
+from .storage import Storage
 from .pool import DecodePool
 from .request import Limits
 from .service import FeedServicer
@@ -65,6 +66,8 @@ class ServerConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     token: str | None = None
+    # Endpoint of S3-compatible storage for s3:// data roots (None: boto3's own settings).
+    s3_endpoint: str | None = None
 
 
 # Let clients ping every second or so (they do, to notice a dead server), and
@@ -83,7 +86,8 @@ _GRPC_OPTIONS = [
 class FeedServer:
     def __init__(self, config: ServerConfig):
         self.config = config
-        self._roots = DataRoots(config.data_roots, config.max_file_bytes)
+        self._roots = Storage(config.data_roots, config.s3_endpoint, config.max_file_bytes,
+                              connections=config.threads + 8)
         device = None
         if config.device != "cpu":
             from .cuda_ipc import check_device

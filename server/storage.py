@@ -1,0 +1,193 @@
+"""Where sample bytes come from: local data roots, or prefixes in S3-compatible storage.
+
+``Storage`` is what the rest of the server reads through. A data root is a
+local directory (``paths.DataRoots`` keeps reads inside it) or an
+``s3://bucket/prefix`` URL. Confinement is the same idea for both: a name that
+resolves outside every root is refused (``OutsideDataRoots``, sent as
+PERMISSION_DENIED). For S3 a name is ``s3://bucket/key``, confined when its
+bucket is a root's and its key lies under the root's prefix (``..`` segments
+are refused, never resolved); a relative name resolves under the first S3 root
+when no local root is configured.
+
+The operator configures S3 (never the client): the endpoint with
+``--s3-endpoint`` or boto3's own ``AWS_ENDPOINT_URL``, credentials and region
+as boto3 finds them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, the
+shared config and credentials files, an instance role). boto3 is the ``s3``
+extra and is imported only when a root is an S3 URL. One client is shared by
+every thread (boto3 clients are thread-safe), with a connection pool as large
+as the threads that use it.
+
+Loose S3 files are images only: video and array readers need a seekable local
+file, and fail such a sample saying so.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+from typing import IO
+
+from .paths import DataRoots, OutsideDataRoots
+
+__all__ = ["Storage", "is_s3"]
+
+_S3 = "s3://"
+
+
+def is_s3(name: str) -> bool:
+    return name.startswith(_S3)
+
+
+def _split_s3(url: str) -> tuple[str, str]:
+    bucket, _, key = url[len(_S3):].partition("/")
+    return bucket, key
+
+
+class _S3Root:
+    """One ``s3://bucket/prefix`` root."""
+
+    def __init__(self, url: str):
+        bucket, prefix = _split_s3(url.rstrip("/"))
+        if not bucket:
+            raise ValueError(f"data root {url!r}: an S3 root is s3://bucket[/prefix]")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.url = f"{_S3}{bucket}/{self.prefix}".rstrip("/")
+
+    def holds(self, bucket: str, key: str) -> bool:
+        return bucket == self.bucket and (not self.prefix or key.startswith(self.prefix + "/"))
+
+
+class Storage:
+    """Reads confined to the data roots, local or S3; a drop-in for ``DataRoots``."""
+
+    def __init__(self, roots: list[str], s3_endpoint: str | None = None, connections: int = 10):
+        if not roots:
+            raise ValueError("at least one data root is required")
+        local = [r for r in roots if not is_s3(r)]
+        self._local = DataRoots(local) if local else None
+        self._s3_roots = [_S3Root(r) for r in roots if is_s3(r)]
+        self.roots = (self._local.roots if self._local else []) + [r.url for r in self._s3_roots]
+        self._client = None
+        if self._s3_roots:
+            self._client = _s3_client(s3_endpoint, connections)
+
+    # -- names -------------------------------------------------------------
+
+    def locate(self, name: str) -> str:
+        """The confined path or URL for ``name``; OutsideDataRoots when it escapes."""
+        if is_s3(name):
+            bucket, key = _split_s3(name)
+            if ".." in key.split("/") or not any(r.holds(bucket, key) for r in self._s3_roots):
+                raise OutsideDataRoots(f"{name!r} is not under an S3 data root")
+            return name
+        if self._local is not None:
+            return self._local.locate(name)
+        rel = posixpath.normpath(name)
+        if name.startswith("/") or rel == ".." or rel.startswith("../"):
+            raise OutsideDataRoots(f"{name!r} is not under a data root")
+        root = self._s3_roots[0]
+        return f"{_S3}{root.bucket}/{posixpath.join(root.prefix, rel).lstrip('/')}"
+
+    # -- reads -------------------------------------------------------------
+
+    def read(self, path: str) -> bytes:
+        if not is_s3(path):
+            return self._local_roots(path).read(path)
+        return self._get(path)
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` (fewer at the end of the file or object)."""
+        if size <= 0:
+            return b""
+        if is_s3(path):
+            return self._get(path, f"bytes={offset}-{offset + size - 1}")
+        fd = self._local_roots(path).open_checked(path)
+        try:
+            return os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+
+    def open_checked(self, path: str) -> int:
+        """A local file's descriptor (video and array readers need one)."""
+        if is_s3(path):
+            raise OSError(errno.EOPNOTSUPP, "video and array samples are read from local "
+                                            "data roots only, not S3")
+        return self._local_roots(path).open_checked(path)
+
+    def open_sequential(self, path: str) -> tuple[IO[bytes], int, str]:
+        """A stream of the whole file or object, its size, and a version tag.
+
+        The tag (mtime and size locally, the ETag in S3) tells whether an index
+        made earlier still describes the file.
+        """
+        if is_s3(path):
+            bucket, key = _split_s3(path)
+            with _s3_errors(path):
+                reply = self._client.get_object(Bucket=bucket, Key=key)
+            return reply["Body"], int(reply["ContentLength"]), reply.get("ETag", "")
+        fd = self._local_roots(path).open_checked(path)
+        file = os.fdopen(fd, "rb")
+        stat = os.fstat(fd)
+        return file, stat.st_size, f"{stat.st_mtime_ns}:{stat.st_size}"
+
+    def _get(self, path: str, byte_range: str = "") -> bytes:
+        bucket, key = _split_s3(path)
+        extra = {"Range": byte_range} if byte_range else {}
+        try:
+            with _s3_errors(path):
+                reply = self._client.get_object(Bucket=bucket, Key=key, **extra)
+                return reply["Body"].read()
+        except _PastEnd:
+            return b""
+
+    def _local_roots(self, path: str) -> DataRoots:
+        if self._local is None:
+            raise OutsideDataRoots(f"{path!r} is not under a data root")
+        return self._local
+
+
+def _s3_client(endpoint: str | None, connections: int):
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise RuntimeError("an s3:// data root needs boto3: pip install 'gpufeed[server,s3]'") \
+            from None
+    config = Config(max_pool_connections=connections,
+                    retries={"max_attempts": 3, "mode": "standard"},
+                    # Custom endpoints (SeaweedFS, MinIO, Ceph) serve buckets as paths.
+                    s3={"addressing_style": "path"} if endpoint else None)
+    return boto3.session.Session().client("s3", endpoint_url=endpoint or None, config=config)
+
+
+class _PastEnd(Exception):
+    """A range that starts past the end of the object."""
+
+
+class _s3_errors:
+    """botocore's errors as the OSError kinds a sample failure is reported by."""
+
+    def __init__(self, path: str):
+        self._path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if error is None:
+            return False
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if isinstance(error, ClientError):
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            if code in ("NoSuchKey", "404", "NotFound", "NoSuchBucket"):
+                raise FileNotFoundError(errno.ENOENT, f"{self._path}: not found") from None
+            if code in ("AccessDenied", "403", "Forbidden"):
+                raise PermissionError(errno.EACCES, f"{self._path}: access denied") from None
+            if code == "InvalidRange":
+                raise _PastEnd() from None
+            raise OSError(errno.EIO, f"{self._path}: S3 error {code}") from None
+        if isinstance(error, BotoCoreError):
+            raise OSError(errno.EIO, f"{self._path}: {error}") from None
+        return False
