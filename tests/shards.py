@@ -45,3 +45,17 @@ def write_shards(folder: Path, counts: list[int], name: str = "train-{:04d}.tar"
         jpegs += shard_jpegs
         first += count
     return names, jpegs
+
+
+def cut_shard() -> bytes:
+    """Samples 100..103, cut 100 bytes into sample 102's image (103 is gone)."""
+    data, _ = shard_bytes(100, 4)
+    header = data.index(b"000102.jpg")  # a member's name opens its 512-byte header
+    return data[:header + 512 + 100]
+
+
+def corrupt_shard() -> bytes:
+    """Samples 200..202, sample 201's image overwritten with zeros after 20 bytes."""
+    data, _ = shard_bytes(200, 3)
+    start = data.index(b"000201.jpg") + 512
+    return data[:start + 20] + b"\0" * 200 + data[start + 220:]

@@ -12,7 +12,7 @@ from PIL import Image
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.process import ServerProcess
 from gpufeed.server.shards import SHUFFLE_BUFFER, expand_braces
-from shards import label_of, shard_bytes, write_shards
+from shards import corrupt_shard, cut_shard, label_of, write_shards
 from support import MIN_PSNR_DB, psnr
 
 import grpc
@@ -27,15 +27,9 @@ def shard_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shards")
     names, jpegs = write_shards(folder / "train", COUNTS)
     (folder / "train.shards").write_text("\n".join(f"train/{n}" for n in names) + "\n")
-    # Bad shards: one cut in the middle of its third sample, one with a corrupt image.
-    data, _ = shard_bytes(100, 4)
-    cut = data.index(b"000102.jpg")  # the third sample's header starts 0 bytes before its name
     (folder / "bad").mkdir()
-    (folder / "bad" / "cut.tar").write_bytes(data[:cut + 512 + 100])
-    corrupt, _ = shard_bytes(200, 3)
-    start = corrupt.index(b"000201.jpg") + 512
-    (folder / "bad" / "corrupt.tar").write_bytes(
-        corrupt[:start + 20] + b"\0" * 200 + corrupt[start + 220:])
+    (folder / "bad" / "cut.tar").write_bytes(cut_shard())
+    (folder / "bad" / "corrupt.tar").write_bytes(corrupt_shard())
     return folder, names, jpegs
 
 
