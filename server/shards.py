@@ -196,15 +196,16 @@ _CACHE = _IndexCache()
 def index_shard(storage, path: str) -> ShardIndex:
     """The shard's index: from the cache when the shard has not changed, else from its headers."""
     try:
-        file, size, version = storage.open_sequential(path)
+        version = storage.version(path)
+        cached = _CACHE.get((path, version))
+        if cached is not None:
+            return cached
+        file, size = storage.open_sequential(path)
     except FileNotFoundError:
         return _unreadable("shard not found")
     except OSError as e:
         return _unreadable(f"shard unreadable: {e}")
     with file:
-        cached = _CACHE.get((path, version))
-        if cached is not None:
-            return cached
         members, truncated = [], False
         seekable = getattr(file, "seekable", lambda: False)()
         try:

@@ -115,21 +115,30 @@ class Storage:
                                             "data roots only, not S3")
         return self._local_roots(path).open_checked(path)
 
-    def open_sequential(self, path: str) -> tuple[IO[bytes], int, str]:
-        """A stream of the whole file or object, its size, and a version tag.
+    def version(self, path: str) -> str:
+        """A tag that changes when the file does (mtime and size; the ETag in S3): whether an
+        index made earlier still describes it."""
+        if is_s3(path):
+            bucket, key = _split_s3(path)
+            with _s3_errors(path):
+                reply = self._client.head_object(Bucket=bucket, Key=key)
+            return f"{reply.get('ETag', '')}:{reply['ContentLength']}"
+        fd = self._local_roots(path).open_checked(path)
+        try:
+            stat = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return f"{stat.st_mtime_ns}:{stat.st_size}"
 
-        The tag (mtime and size locally, the ETag in S3) tells whether an index
-        made earlier still describes the file.
-        """
+    def open_sequential(self, path: str) -> tuple[IO[bytes], int]:
+        """A stream of the whole file (seekable) or object (not), and its size."""
         if is_s3(path):
             bucket, key = _split_s3(path)
             with _s3_errors(path):
                 reply = self._client.get_object(Bucket=bucket, Key=key)
-            return reply["Body"], int(reply["ContentLength"]), reply.get("ETag", "")
-        fd = self._local_roots(path).open_checked(path)
-        file = os.fdopen(fd, "rb")
-        stat = os.fstat(fd)
-        return file, stat.st_size, f"{stat.st_mtime_ns}:{stat.st_size}"
+            return reply["Body"], int(reply["ContentLength"])
+        file = os.fdopen(self._local_roots(path).open_checked(path), "rb")
+        return file, os.fstat(file.fileno()).st_size
 
     def _get(self, path: str, byte_range: str = "") -> bytes:
         bucket, key = _split_s3(path)
@@ -154,6 +163,9 @@ def _s3_client(endpoint: str | None, connections: int):
     except ImportError:
         raise RuntimeError("an s3:// data root needs boto3: pip install 'gpufeed[server,s3]'") \
             from None
+    # boto3 reads AWS_ENDPOINT_URL itself; looked up here too, to address buckets as paths.
+    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or \
+        os.environ.get("AWS_ENDPOINT_URL")
     config = Config(max_pool_connections=connections,
                     retries={"max_attempts": 3, "mode": "standard"},
                     # Custom endpoints (SeaweedFS, MinIO, Ceph) serve buckets as paths.
