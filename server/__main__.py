@@ -35,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--s3-endpoint", metavar="URL",
                    help="S3-compatible endpoint for s3:// data roots (default: boto3's "
                         "AWS_ENDPOINT_URL or config, else AWS)")
+    p.add_argument("--io-threads", type=int, default=ServerConfig.io_threads,
+                   help="threads reading S3 objects ahead of the decode threads "
+                        "(default %(default)s)")
+    p.add_argument("--read-ahead-bytes", type=int, default=ServerConfig.read_ahead_bytes,
+                   help="bytes S3 reads may hold ahead of the decode threads (0: no read-ahead; "
+                        "default %(default)s)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="decode threads shared by all streams (default: cores, %(default)s)")
     p.add_argument("--device", default="cpu",
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             max_file_bytes=args.max_file_bytes,
             drain_seconds=args.drain_seconds, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca, s3_endpoint=args.s3_endpoint,
+            io_threads=args.io_threads, read_ahead_bytes=args.read_ahead_bytes,
             token=read_token(args.token_file) if args.token_file else None,
         )
         server = FeedServer(config)

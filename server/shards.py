@@ -56,11 +56,13 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from .decode import DecodeError
 from .paths import OutsideDataRoots
+from .storage import is_s3
 from .transform import OutputTransform
 
 __all__ = ["SHUFFLE_BUFFER", "ShardIndex", "ShardRows", "ShardSet", "expand_braces",
@@ -320,6 +322,39 @@ class ShardRows:
         self.transform = transform
         self.shards = shards
         self.paths = _SamplePaths(shards)
+        self._lock = threading.Lock()
+        self._ahead: dict[int, object] = {}  # sample -> its read issued ahead (readahead.py)
+
+    def read_ahead(self, storage, samples: np.ndarray) -> None:
+        """Issue the reads of a batch's samples now, when the storage reads ahead (S3)."""
+        if storage.read_ahead is None:
+            return
+        for sample in samples.tolist():
+            span = self._span(sample)
+            if span is not None and is_s3(span[0]):
+                shard, start, size = span
+                with self._lock:
+                    self._ahead[sample] = storage.read_ahead.issue(
+                        size, partial(storage.read_range, shard, start, size))
+
+    def forget(self, storage) -> None:
+        """The stream ended: reads issued for rows nobody will decode give their bytes back."""
+        with self._lock:
+            ahead, self._ahead = self._ahead, {}
+        for pending in ahead.values():
+            storage.read_ahead.drop(pending)
+
+    def _span(self, sample: int) -> tuple[str, int, int] | None:
+        """(shard, offset, size) of the bytes holding a sample's members; None if it fails."""
+        shard, shard_index, n = self.shards.locate(sample)
+        if shard_index.problem or shard_index.failure[n] != _OK or \
+                (self.shards.has_labels and shard_index.label_offset[n] < 0):
+            return None
+        members = [(int(shard_index.image_offset[n]), int(shard_index.image_size[n]))]
+        if self.shards.has_labels:
+            members.append((int(shard_index.label_offset[n]), int(shard_index.label_size[n])))
+        start = min(offset for offset, _ in members)
+        return shard, start, max(offset + size for offset, size in members) - start
 
     def read_into(self, storage, path, index, arrays, row, decoders, stages) -> None:
         place, arrays["flip"][row] = self.transform.choose(index)
@@ -331,22 +366,22 @@ class ShardRows:
             raise DecodeError(f"{shard}: truncated shard (sample {n} runs past its end)")
         if failure == _NO_IMAGE:
             raise DecodeError(f"{shard}: sample {n} has no image member")
-        image = int(shard_index.image_offset[n]), int(shard_index.image_size[n])
-        label = int(shard_index.label_offset[n]), int(shard_index.label_size[n])
-        if self.shards.has_labels and label[0] < 0:
+        if self.shards.has_labels and shard_index.label_offset[n] < 0:
             raise DecodeError(f"{shard}: sample {n} has no .cls/.txt label member")
+        _, start, size = self._span(index)
         with stages["read"].time():
-            # One read for the sample's members: they lie together in the shard.
-            members = [image, label] if self.shards.has_labels else [image]
-            start = min(offset for offset, _ in members)
-            end = max(offset + size for offset, size in members)
-            data = storage.read_range(shard, start, end - start)
-        if len(data) < end - start:
+            with self._lock:
+                pending = self._ahead.pop(index, None)
+            data = storage.read_ahead.take(pending) if pending is not None else \
+                storage.read_range(shard, start, size)
+        if len(data) < size:
             raise DecodeError(f"{shard}: truncated shard (sample {n} runs past its end)")
         if self.shards.has_labels:
-            arrays["label"][row] = _label(shard, n, data[label[0] - start:sum(label) - start])
+            at = int(shard_index.label_offset[n]) - start
+            arrays["label"][row] = _label(shard, n, data[at:at + int(shard_index.label_size[n])])
+        at = int(shard_index.image_offset[n]) - start
         with stages["decode"].time():
-            decoders.image.decode_into(data[image[0] - start:sum(image) - start],
+            decoders.image.decode_into(data[at:at + int(shard_index.image_size[n])],
                                        arrays.get("decoded", arrays["image"])[row], place)
 
 

@@ -26,13 +26,17 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import time
 from typing import IO
 
 from .paths import DataRoots, OutsideDataRoots
+from .readahead import ReadAhead
 
 __all__ = ["Storage", "is_s3"]
 
 _S3 = "s3://"
+_READ_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 def is_s3(name: str) -> bool:
@@ -61,7 +65,8 @@ class _S3Root:
 class Storage:
     """Reads confined to the data roots, local or S3; a drop-in for ``DataRoots``."""
 
-    def __init__(self, roots: list[str], s3_endpoint: str | None = None, connections: int = 10):
+    def __init__(self, roots: list[str], s3_endpoint: str | None = None, connections: int = 10,
+                 io_threads: int = 16, read_ahead_bytes: int = 256 << 20):
         if not roots:
             raise ValueError("at least one data root is required")
         local = [r for r in roots if not is_s3(r)]
@@ -69,8 +74,31 @@ class Storage:
         self._s3_roots = [_S3Root(r) for r in roots if is_s3(r)]
         self.roots = (self._local.roots if self._local else []) + [r.url for r in self._s3_roots]
         self._client = None
+        # The I/O stage (readahead.py): only for S3, and off with a budget of 0.
+        self.read_ahead: ReadAhead | None = None
         if self._s3_roots:
-            self._client = _s3_client(s3_endpoint, connections)
+            self._client = _s3_client(s3_endpoint, connections + io_threads)
+            if read_ahead_bytes > 0:
+                self.read_ahead = ReadAhead(io_threads, read_ahead_bytes)
+        self._bytes = self._seconds = None
+
+    def register_metrics(self, registry) -> None:
+        """Per source (local, s3): bytes read and read latency; the read-ahead depth."""
+        from prometheus_client import Counter, Histogram
+
+        self._bytes = Counter("gpufeed_storage_read_bytes", "Bytes read from storage, per "
+                              "source.", ["source"], registry=registry)
+        self._seconds = Histogram("gpufeed_storage_read_seconds", "Latency of one read "
+                                  "(a sample, a file, a shard's members), per source.",
+                                  ["source"], buckets=_READ_BUCKETS, registry=registry)
+        for source in ("local", "s3"):
+            self._bytes.labels(source)
+            self._seconds.labels(source)
+        registry.register(_ReadAheadDepth(self))
+
+    def close(self) -> None:
+        if self.read_ahead is not None:
+            self.read_ahead.close()
 
     # -- names -------------------------------------------------------------
 
@@ -92,21 +120,32 @@ class Storage:
     # -- reads -------------------------------------------------------------
 
     def read(self, path: str) -> bytes:
-        if not is_s3(path):
-            return self._local_roots(path).read(path)
-        return self._get(path)
+        started = time.perf_counter()
+        data = self._get(path) if is_s3(path) else self._local_roots(path).read(path)
+        self._observe(path, len(data), started)
+        return data
 
     def read_range(self, path: str, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` (fewer at the end of the file or object)."""
         if size <= 0:
             return b""
+        started = time.perf_counter()
         if is_s3(path):
-            return self._get(path, f"bytes={offset}-{offset + size - 1}")
-        fd = self._local_roots(path).open_checked(path)
-        try:
-            return os.pread(fd, size, offset)
-        finally:
-            os.close(fd)
+            data = self._get(path, f"bytes={offset}-{offset + size - 1}")
+        else:
+            fd = self._local_roots(path).open_checked(path)
+            try:
+                data = os.pread(fd, size, offset)
+            finally:
+                os.close(fd)
+        self._observe(path, len(data), started)
+        return data
+
+    def _observe(self, path: str, size: int, started: float) -> None:
+        if self._bytes is not None:
+            source = "s3" if is_s3(path) else "local"
+            self._bytes.labels(source).inc(size)
+            self._seconds.labels(source).observe(time.perf_counter() - started)
 
     def open_checked(self, path: str) -> int:
         """A local file's descriptor (video and array readers need one)."""
@@ -203,3 +242,21 @@ class _s3_errors:
         if isinstance(error, BotoCoreError):
             raise OSError(errno.EIO, f"{self._path}: {error}") from None
         return False
+
+
+class _ReadAheadDepth:
+    """Scrape-time gauges of the I/O stage: reads queued or under way, bytes held."""
+
+    def __init__(self, storage: Storage):
+        self._storage = storage
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        queued, held = self._storage.read_ahead.depth() if self._storage.read_ahead else (0, 0)
+        yield GaugeMetricFamily("gpufeed_storage_read_ahead_reads", "Reads issued ahead of "
+                                "the decode threads and not yet started or taken (S3).",
+                                value=queued)
+        yield GaugeMetricFamily("gpufeed_storage_read_ahead_bytes", "Bytes of reads ahead "
+                                "started and not yet taken by a decode thread (S3; within "
+                                "--read-ahead-bytes).", value=held)

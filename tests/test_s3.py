@@ -5,6 +5,9 @@ bad and missing objects failing only their samples, and bucket/prefix confinemen
 from __future__ import annotations
 
 import io
+import re
+import socket
+import urllib.request
 
 import grpc
 import numpy as np
@@ -51,12 +54,24 @@ def s3(tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module")
-def feed(s3):
+def _server(s3, *args) -> ServerProcess:
     # Credentials reach the server as the operator gives them (environment); never the client.
-    args = ["--data-root", "s3://data/train", "--data-root", "s3://data/bad",
-            "--s3-endpoint", s3.endpoint, "--threads", "2"]
-    with ServerProcess(args, env=s3.env) as server, FeedClient(server.address) as client:
+    return ServerProcess(["--data-root", "s3://data/train", "--data-root", "s3://data/bad",
+                          "--s3-endpoint", s3.endpoint, "--threads", "2", *args], env=s3.env)
+
+
+@pytest.fixture(scope="module")
+def metrics_address(s3):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with _server(s3, "--metrics-port", str(port)) as server:
+        yield server.address, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def feed(metrics_address):
+    with FeedClient(metrics_address[0]) as client:
         yield client
 
 
@@ -135,3 +150,33 @@ def test_outside_the_configured_prefixes_is_refused(feed, name):
     with pytest.raises(FeedError) as refused:
         feed.loader([name], batch_size=2, size=SIZE)
     assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("read_ahead", ["0", "1"], ids=["off", "one_read_at_a_time"])
+def test_read_ahead_off_or_starved_gives_the_same_batches(s3, feed, read_ahead):
+    kw = dict(batch_size=4, size=SIZE, shuffle=True, seed=4)
+    expected = [(b["index"].tolist(), b["label"].tolist(), b["image"].clone())
+                for b in feed.loader([SHARDS], **kw)]
+    with _server(s3, "--read-ahead-bytes", read_ahead) as server, \
+            FeedClient(server.address) as other:
+        got = [(b["index"].tolist(), b["label"].tolist(), b["image"].clone())
+               for b in other.loader([SHARDS], **kw)]
+    assert [g[:2] for g in got] == [e[:2] for e in expected]
+    assert all((g[2] == e[2]).all() for g, e in zip(got, expected))
+
+
+def test_storage_metrics_per_source(feed, metrics_address):
+    list(feed.loader([SHARDS], batch_size=4, size=SIZE))
+    with urllib.request.urlopen(f"http://{metrics_address[1]}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+
+    def value(name: str) -> float:
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        assert match, name
+        return float(match.group(1))
+
+    assert value('gpufeed_storage_read_bytes_total{source="s3"}') > 0
+    assert value('gpufeed_storage_read_seconds_count{source="s3"}') >= sum(COUNTS)
+    assert value('gpufeed_storage_read_bytes_total{source="local"}') == 0
+    assert value("gpufeed_storage_read_ahead_bytes") == 0  # every read taken: nothing held
+    assert value("gpufeed_storage_read_ahead_reads") == 0
