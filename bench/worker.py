@@ -100,6 +100,13 @@ ROWS = {
     "tf": _row("tf.data, in-process", "tfdata", "squash"),
     "tf-service": _row("tf.data service -> trainer process", "tfdata", "squash", True),
     "dali": _row("DALI, CPU only (decoders.image + resize)", "dali", "squash"),
+    # the same JPEGs in tar shards of ~100 MB (issue 15): local disk, or local S3 (SeaweedFS)
+    "shards-local": _row("gpufeed tar shards, local disk -> trainer process, shm", "shards",
+                         "squash", "local"),
+    "shards-s3": _row("gpufeed tar shards, SeaweedFS S3, read-ahead on", "shards", "squash",
+                      "s3"),
+    "shards-s3-no-readahead": _row("gpufeed tar shards, SeaweedFS S3, read-ahead off",
+                                   "shards", "squash", "s3-no-readahead"),
     # training: random-resized-crop + flip, uint8
     "gpufeed-shm-rrc-u8": _row("gpufeed -> trainer process, shm, random-resized-crop + flip",
                                "gpufeed", "train-u8", "shm"),

@@ -17,7 +17,7 @@ from PIL import Image
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
-from seaweed import SeaweedS3, weed_binary
+from bench.seaweed import SeaweedS3, weed_binary
 from shards import corrupt_shard, cut_shard, label_of, shard_bytes
 from support import MIN_PSNR_DB, psnr
 

