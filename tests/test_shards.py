@@ -77,12 +77,22 @@ def test_shuffle_is_deterministic_by_seed_and_epoch_and_splits_shards_by_rank(fe
     assert first == order(seed=3, epoch=1)
     assert sorted(first) == list(range(sum(COUNTS)))
     assert first != order(seed=3, epoch=2) and first != list(range(sum(COUNTS)))
-    ranks = [order(seed=3, epoch=1, rank=r, world_size=2) for r in range(2)]
-    assert sorted(ranks[0] + ranks[1]) == list(range(sum(COUNTS)))
+    ranks = []
+    for r in range(2):
+        batches = list(feed.loader([PATTERN], prefix="train/", batch_size=4, size=SIZE,
+                                   shuffle=True, seed=3, epoch=1, rank=r, world_size=2))
+        ranks.append([(i, p) for b in batches
+                      for i, p in zip(b["index"].tolist(), b["padded"].tolist())])
+    # Every rank as long as the longest; the shorter repeats its own samples, flagged padded.
+    assert len(ranks[0]) == len(ranks[1])
+    real = [[i for i, padded in rank if not padded] for rank in ranks]
+    assert sorted(real[0] + real[1]) == list(range(sum(COUNTS)))
+    for rank, own in zip(ranks, real):
+        assert {i for i, padded in rank if padded} <= set(own)
     bounds = np.cumsum([0] + COUNTS)
     shard_of = lambda i: int(np.searchsorted(bounds, i, side="right")) - 1  # noqa: E731
     # Each rank reads whole shards: no shard is split between ranks.
-    assert not {shard_of(i) for i in ranks[0]} & {shard_of(i) for i in ranks[1]}
+    assert not {shard_of(i) for i in real[0]} & {shard_of(i) for i in real[1]}
     assert sum(COUNTS) < SHUFFLE_BUFFER  # (a buffer larger than the pass: a full permutation)
 
 
