@@ -117,6 +117,13 @@ class Storage:
         root = self._s3_roots[0]
         return f"{_S3}{root.bucket}/{posixpath.join(root.prefix, rel).lstrip('/')}"
 
+    def root_of(self, path: str) -> str | None:
+        """The root a located path lies under (lexically), or None."""
+        if is_s3(path):
+            bucket, key = _split_s3(path)
+            return next((r.url for r in self._s3_roots if r.holds(bucket, key)), None)
+        return self._local.root_of(path) if self._local is not None else None
+
     # -- reads -------------------------------------------------------------
 
     def read(self, path: str) -> bytes:
