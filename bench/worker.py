@@ -107,6 +107,11 @@ ROWS = {
                       "s3"),
     "shards-s3-no-readahead": _row("gpufeed tar shards, SeaweedFS S3, read-ahead off",
                                    "shards", "squash", "s3-no-readahead"),
+    "shards-s3-5ms": _row("gpufeed tar shards, SeaweedFS S3 + 5 ms per request, read-ahead on",
+                          "shards", "squash", "s3-5ms"),
+    "shards-s3-5ms-no-readahead": _row("gpufeed tar shards, SeaweedFS S3 + 5 ms per request, "
+                                       "read-ahead off", "shards", "squash",
+                                       "s3-5ms-no-readahead"),
     # training: random-resized-crop + flip, uint8
     "gpufeed-shm-rrc-u8": _row("gpufeed -> trainer process, shm, random-resized-crop + flip",
                                "gpufeed", "train-u8", "shm"),

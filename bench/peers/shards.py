@@ -68,12 +68,14 @@ def _read(config, meter, args: list[str], files: str, env: dict | None = None) -
 
 
 def run(config, meter, job: str, where: str) -> str:
-    """``where``: "local", "s3" or "s3-no-readahead". ``job`` is "squash" (bench.jobs)."""
+    """``where``: "local", or "s3" with "-no-readahead" and/or "-5ms" (a 5 ms delay added to
+    every S3 request by ``bench.latency``). ``job`` is "squash" (bench.jobs)."""
     if job != "squash":
         raise ValueError(f"the shard rows do the squash job, not {job!r}")
     if where == "local":
         return _run_local(config, meter)
-    return _run_s3(config, meter, read_ahead=where == "s3")
+    return _run_s3(config, meter, read_ahead="no-readahead" not in where,
+                   delay=0.005 if "5ms" in where else 0.0)
 
 
 def _run_local(config, meter) -> str:
@@ -82,7 +84,8 @@ def _run_local(config, meter) -> str:
     return f"{len(shards)} shards on the local disk; server: {config.threads} decode threads"
 
 
-def _run_s3(config, meter, read_ahead: bool) -> str:
+def _run_s3(config, meter, read_ahead: bool, delay: float) -> str:
+    from ..latency import DelayProxy
     from ..seaweed import SeaweedS3, weed_binary
 
     if weed_binary() is None:
@@ -93,9 +96,12 @@ def _run_s3(config, meter, read_ahead: bool) -> str:
         client.create_bucket(Bucket="bench")
         for name in shards:
             client.upload_file(str(folder / name), "bench", f"shards/{name}")
-        args = ["--data-root", "s3://bench/shards", "--s3-endpoint", s3.endpoint]
-        if not read_ahead:
-            args += ["--read-ahead-bytes", "0"]
-        _read(config, meter, args, _pattern(shards), env=s3.env)
-    return (f"{len(shards)} shards in SeaweedFS on loopback, read-ahead "
+        host, port = s3.endpoint.removeprefix("http://").rsplit(":", 1)
+        with DelayProxy((host, int(port)), delay) as proxy:
+            args = ["--data-root", "s3://bench/shards", "--s3-endpoint", proxy.endpoint]
+            if not read_ahead:
+                args += ["--read-ahead-bytes", "0"]
+            _read(config, meter, args, _pattern(shards), env=s3.env)
+    return (f"{len(shards)} shards in SeaweedFS on loopback"
+            f"{f' + {delay * 1000:g} ms per request' if delay else ''}, read-ahead "
             f"{'on' if read_ahead else 'off'}; server: {config.threads} decode threads")
