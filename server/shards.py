@@ -357,7 +357,7 @@ class ShardRows:
         return shard, start, max(offset + size for offset, size in members) - start
 
     def read_into(self, storage, path, index, arrays, row, decoders, stages) -> None:
-        place, arrays["flip"][row] = self.transform.choose(index)
+        crop, flip = self.transform.choose(index)
         shard, shard_index, n = self.shards.locate(index)
         if shard_index.problem:
             raise DecodeError(f"{shard}: {shard_index.problem}")
@@ -380,9 +380,9 @@ class ShardRows:
             at = int(shard_index.label_offset[n]) - start
             arrays["label"][row] = _label(shard, n, data[at:at + int(shard_index.label_size[n])])
         at = int(shard_index.image_offset[n]) - start
-        with stages["decode"].time():
+        with stages["decode"].time():  # the decoder flips, as for loose images
             decoders.image.decode_into(data[at:at + int(shard_index.image_size[n])],
-                                       arrays.get("decoded", arrays["image"])[row], place)
+                                       arrays.get("decoded", arrays["image"])[row], crop, flip)
 
 
 def _label(shard: str, n: int, text: bytes) -> int:
