@@ -250,6 +250,13 @@ class ShardSet:
     def num_samples(self) -> int:
         return int(self.first[-1])
 
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.first, self.sample_shard] + [
+            a for i in self.indexes for a in (i.image_offset, i.image_size, i.label_offset,
+                                               i.label_size, i.failure)]
+        return sum(a.nbytes for a in arrays) + sum(len(p) for p in self.paths)
+
     def unreadable(self) -> list[tuple[str, str]]:
         return [(p, i.problem) for p, i in zip(self.paths, self.indexes) if i.problem]
 
@@ -313,6 +320,11 @@ class _SamplePaths:
 
     def __len__(self) -> int:
         return self._shards.num_samples
+
+    @property
+    def nbytes(self) -> int:
+        """The index a plan keeps (counted against the server's memory budget)."""
+        return self._shards.nbytes
 
 
 class ShardRows:

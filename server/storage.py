@@ -26,15 +26,18 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import sys
 import time
 from typing import IO
 
-from .paths import DataRoots, OutsideDataRoots
+from .paths import DEFAULT_MAX_FILE_BYTES, DataRoots, FileTooLarge, OutsideDataRoots
 from .readahead import ReadAhead
 
 __all__ = ["Storage", "is_s3"]
 
 _S3 = "s3://"
+# A shard is a container: its size is not limited, each sample read from it is.
+_CONTAINER = sys.maxsize
 _READ_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                  0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -65,12 +68,14 @@ class _S3Root:
 class Storage:
     """Reads confined to the data roots, local or S3; a drop-in for ``DataRoots``."""
 
-    def __init__(self, roots: list[str], s3_endpoint: str | None = None, connections: int = 10,
+    def __init__(self, roots: list[str], s3_endpoint: str | None = None,
+                 max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, connections: int = 10,
                  io_threads: int = 16, read_ahead_bytes: int = 256 << 20):
         if not roots:
             raise ValueError("at least one data root is required")
         local = [r for r in roots if not is_s3(r)]
-        self._local = DataRoots(local) if local else None
+        self.max_file_bytes = max_file_bytes
+        self._local = DataRoots(local, max_file_bytes) if local else None
         self._s3_roots = [_S3Root(r) for r in roots if is_s3(r)]
         self.roots = (self._local.roots if self._local else []) + [r.url for r in self._s3_roots]
         self._client = None
@@ -126,21 +131,34 @@ class Storage:
 
     # -- reads -------------------------------------------------------------
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, max_bytes: int | None = None,
+             flag: str = "--max-file-bytes") -> bytes:
+        """The whole file or object; FileTooLarge past ``max_bytes`` (``max_file_bytes``)."""
         started = time.perf_counter()
-        data = self._get(path) if is_s3(path) else self._local_roots(path).read(path)
+        if is_s3(path):
+            data = self._get(path)
+            limit = self.max_file_bytes if max_bytes is None else max_bytes
+            if len(data) > limit:
+                raise FileTooLarge(f"object of {len(data)} bytes, over the limit of {limit} "
+                                   f"(gpufeed-server {flag})")
+        else:
+            data = self._local_roots(path).read(path, max_bytes, flag)
         self._observe(path, len(data), started)
         return data
 
     def read_range(self, path: str, offset: int, size: int) -> bytes:
-        """``size`` bytes at ``offset`` (fewer at the end of the file or object)."""
+        """``size`` bytes at ``offset`` (fewer at the end of the file or object): a sample
+        inside a shard, which may be larger than --max-file-bytes; the sample may not."""
         if size <= 0:
             return b""
+        if size > self.max_file_bytes:
+            raise FileTooLarge(f"sample of {size} bytes, over the limit of {self.max_file_bytes} "
+                               f"(gpufeed-server --max-file-bytes)")
         started = time.perf_counter()
         if is_s3(path):
             data = self._get(path, f"bytes={offset}-{offset + size - 1}")
         else:
-            fd = self._local_roots(path).open_checked(path)
+            fd = self._local_roots(path).open_checked(path, _CONTAINER)
             try:
                 data = os.pread(fd, size, offset)
             finally:
@@ -154,12 +172,13 @@ class Storage:
             self._bytes.labels(source).inc(size)
             self._seconds.labels(source).observe(time.perf_counter() - started)
 
-    def open_checked(self, path: str) -> int:
+    def open_checked(self, path: str, max_bytes: int | None = None,
+                     flag: str = "--max-file-bytes") -> int:
         """A local file's descriptor (video and array readers need one)."""
         if is_s3(path):
             raise OSError(errno.EOPNOTSUPP, "video and array samples are read from local "
                                             "data roots only, not S3")
-        return self._local_roots(path).open_checked(path)
+        return self._local_roots(path).open_checked(path, max_bytes, flag)
 
     def version(self, path: str) -> str:
         """A tag that changes when the file does (mtime and size; the ETag in S3): whether an
@@ -169,7 +188,7 @@ class Storage:
             with _s3_errors(path):
                 reply = self._client.head_object(Bucket=bucket, Key=key)
             return f"{reply.get('ETag', '')}:{reply['ContentLength']}"
-        fd = self._local_roots(path).open_checked(path)
+        fd = self._local_roots(path).open_checked(path, _CONTAINER)
         try:
             stat = os.fstat(fd)
         finally:
@@ -183,7 +202,7 @@ class Storage:
             with _s3_errors(path):
                 reply = self._client.get_object(Bucket=bucket, Key=key)
             return reply["Body"], int(reply["ContentLength"])
-        file = os.fdopen(self._local_roots(path).open_checked(path), "rb")
+        file = os.fdopen(self._local_roots(path).open_checked(path, _CONTAINER), "rb")
         return file, os.fstat(file.fileno()).st_size
 
     def _get(self, path: str, byte_range: str = "") -> bytes:
