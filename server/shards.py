@@ -372,14 +372,14 @@ class ShardRows:
         crop, flip = self.transform.choose(index)
         shard, shard_index, n = self.shards.locate(index)
         if shard_index.problem:
-            raise DecodeError(f"{shard}: {shard_index.problem}")
+            raise DecodeError(shard_index.problem)
         failure = shard_index.failure[n]
         if failure == _TRUNCATED:
-            raise DecodeError(f"{shard}: truncated shard (sample {n} runs past its end)")
+            raise DecodeError(f"truncated shard (sample {n} runs past its end)")
         if failure == _NO_IMAGE:
-            raise DecodeError(f"{shard}: sample {n} has no image member")
+            raise DecodeError(f"sample {n} has no image member")
         if self.shards.has_labels and shard_index.label_offset[n] < 0:
-            raise DecodeError(f"{shard}: sample {n} has no .cls/.txt label member")
+            raise DecodeError(f"sample {n} has no .cls/.txt label member")
         _, start, size = self._span(index)
         with stages["read"].time():
             with self._lock:
@@ -387,23 +387,23 @@ class ShardRows:
             data = storage.read_ahead.take(pending) if pending is not None else \
                 storage.read_range(shard, start, size)
         if len(data) < size:
-            raise DecodeError(f"{shard}: truncated shard (sample {n} runs past its end)")
+            raise DecodeError(f"truncated shard (sample {n} runs past its end)")
         if self.shards.has_labels:
             at = int(shard_index.label_offset[n]) - start
-            arrays["label"][row] = _label(shard, n, data[at:at + int(shard_index.label_size[n])])
+            arrays["label"][row] = _label(n, data[at:at + int(shard_index.label_size[n])])
         at = int(shard_index.image_offset[n]) - start
         with stages["decode"].time():  # the decoder flips, as for loose images
             decoders.image.decode_into(data[at:at + int(shard_index.image_size[n])],
                                        arrays.get("decoded", arrays["image"])[row], crop, flip)
 
 
-def _label(shard: str, n: int, text: bytes) -> int:
+def _label(n: int, text: bytes) -> int:
     if len(text) > _LABEL_MAX_BYTES:
-        raise DecodeError(f"{shard}: sample {n}'s label member is {len(text)} bytes, not an int")
+        raise DecodeError(f"sample {n}'s label member is {len(text)} bytes, not an int")
     try:
         return int(text.decode("ascii").strip())
     except (UnicodeDecodeError, ValueError):
-        raise DecodeError(f"{shard}: sample {n}'s label {text[:20]!r} is not an integer") from None
+        raise DecodeError(f"sample {n}'s label {text[:20]!r} is not an integer") from None
 
 
 def locate_shards(names: list[str], prefix: str, storage) -> list[str]:

@@ -122,6 +122,12 @@ class Storage:
         root = self._s3_roots[0]
         return f"{_S3}{root.bucket}/{posixpath.join(root.prefix, rel).lstrip('/')}"
 
+    def shown(self, path: str) -> str:
+        """A located path as a request would name it, for messages (an S3 URL in full)."""
+        if is_s3(path) or self._local is None:
+            return path
+        return self._local.shown(path)
+
     def root_of(self, path: str) -> str | None:
         """The root a located path lies under (lexically), or None."""
         if is_s3(path):

@@ -139,7 +139,7 @@ def test_loose_files_from_s3(s3, feed):
     assert batch["label"].tolist() == [5, 6, 7]
     for image, jpeg in zip(batch["image"].numpy(), s3.loose):
         assert psnr(image, _reference(jpeg)) >= MIN_PSNR_DB
-    assert loader.failures == [(3, "file not found")]
+    assert loader.failures == [(3, "s3://data/train/loose/missing.jpg: file not found")]
 
 
 @pytest.mark.parametrize("name", ["s3://other/train/shard-00.tar",
