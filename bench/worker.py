@@ -113,6 +113,18 @@ ROWS = {
                            "squash", "10gbit", "tf"),
     "tf-service-1g": _row("tf.data service -> trainer over a 1 Gbit/s link", "remote",
                           "squash", "1gbit", "tf"),
+    # the same JPEGs in tar shards of ~100 MB (issue 15): local disk, or local S3 (SeaweedFS)
+    "shards-local": _row("gpufeed tar shards, local disk -> trainer process, shm", "shards",
+                         "squash", "local"),
+    "shards-s3": _row("gpufeed tar shards, SeaweedFS S3, read-ahead on", "shards", "squash",
+                      "s3"),
+    "shards-s3-no-readahead": _row("gpufeed tar shards, SeaweedFS S3, read-ahead off",
+                                   "shards", "squash", "s3-no-readahead"),
+    "shards-s3-5ms": _row("gpufeed tar shards, SeaweedFS S3 + 5 ms per request, read-ahead on",
+                          "shards", "squash", "s3-5ms"),
+    "shards-s3-5ms-no-readahead": _row("gpufeed tar shards, SeaweedFS S3 + 5 ms per request, "
+                                       "read-ahead off", "shards", "squash",
+                                       "s3-5ms-no-readahead"),
     # training: random-resized-crop + flip, uint8
     "gpufeed-shm-rrc-u8": _row("gpufeed -> trainer process, shm, random-resized-crop + flip",
                                "gpufeed", "train-u8", "shm"),

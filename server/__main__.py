@@ -31,7 +31,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="0.0.0.0:50051",
                    help="HOST:PORT to serve gRPC on; port 0 picks a free one (default %(default)s)")
     p.add_argument("--data-root", action="append", required=True, metavar="DIR",
-                   help="directory requests may read from (repeatable)")
+                   help="directory, or s3://bucket/prefix, requests may read from (repeatable)")
+    p.add_argument("--s3-endpoint", metavar="URL",
+                   help="S3-compatible endpoint for s3:// data roots (default: boto3's "
+                        "AWS_ENDPOINT_URL or config, else AWS)")
+    p.add_argument("--io-threads", type=int, default=ServerConfig.io_threads,
+                   help="threads reading S3 objects ahead of the decode threads "
+                        "(default %(default)s)")
+    p.add_argument("--read-ahead-bytes", type=int, default=ServerConfig.read_ahead_bytes,
+                   help="bytes S3 reads may hold ahead of the decode threads (0: no read-ahead; "
+                        "default %(default)s)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="decode threads shared by all streams (default: cores, %(default)s)")
     p.add_argument("--device", default="cpu",
@@ -121,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             max_request_bytes=args.max_request_bytes, max_pixels=args.max_pixels,
             max_file_bytes=args.max_file_bytes,
             drain_seconds=args.drain_seconds, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca,
+            tls_client_ca=args.tls_client_ca, s3_endpoint=args.s3_endpoint,
+            io_threads=args.io_threads, read_ahead_bytes=args.read_ahead_bytes,
             token=read_token(args.token_file) if args.token_file else None,
         )
         server = FeedServer(config)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"gpufeed-server: {e}", file=sys.stderr)
         return 2
     stopping = threading.Event()

@@ -21,7 +21,8 @@ from .auth import TokenInterceptor, server_credentials
 from .calls import CallGate, worker_threads
 from .decode import DEFAULT_MAX_PIXELS
 from .metrics import ServerMetrics
-from .paths import DEFAULT_MAX_FILE_BYTES, DataRoots
+from .paths import DEFAULT_MAX_FILE_BYTES
+from .storage import Storage
 from .pool import DecodePool
 from .request import Limits
 from .service import FeedServicer
@@ -66,6 +67,11 @@ class ServerConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     token: str | None = None
+    # Endpoint of S3-compatible storage for s3:// data roots (None: boto3's own settings).
+    s3_endpoint: str | None = None
+    # The I/O stage for S3 reads: its threads, and the bytes it may hold ahead (0: off).
+    io_threads: int = 16
+    read_ahead_bytes: int = 256 << 20
 
 
 # Let clients ping every second or so (they do, to notice a dead server), and
@@ -84,7 +90,9 @@ _GRPC_OPTIONS = [
 class FeedServer:
     def __init__(self, config: ServerConfig):
         self.config = config
-        self._roots = DataRoots(config.data_roots, config.max_file_bytes)
+        self._roots = Storage(config.data_roots, config.s3_endpoint, config.max_file_bytes,
+                              connections=config.threads + 8, io_threads=config.io_threads,
+                              read_ahead_bytes=config.read_ahead_bytes)
         device = None
         if config.device != "cpu":
             from .cuda_ipc import check_device
@@ -98,11 +106,13 @@ class FeedServer:
         except BaseException:  # a taken port, say: leave no thread or /dev/shm name behind
             self._watchdog.close()
             self._pool.close()
+            self._roots.close()
             self._shm.close()
             raise
 
     def _build(self, config: ServerConfig, device) -> None:
         self.metrics = ServerMetrics(self._pool)
+        self._roots.register_metrics(self.metrics.registry)
         # Each call holds a handler thread: the gate bounds the calls that could hold
         # one for long, and the pool has a thread for each of them plus spares.
         gate = CallGate(config.max_waiting_calls, config.open_timeout, self._watchdog)
@@ -150,6 +160,7 @@ class FeedServer:
         self.servicer.drain(self.config.drain_seconds)
         self._grpc.stop(1.0).wait()
         self._pool.close()
+        self._roots.close()
         self._shm.close()
         self._watchdog.close()
         self.metrics.close()

@@ -19,6 +19,7 @@ import weakref
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 import numpy as np
@@ -34,7 +35,9 @@ from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_lab
 from .names import SampleNames, TooManyNames
 from .paths import DataRoots, FileTooLarge, LocatedPaths, OutsideDataRoots
 from .ring import BatchLayout
-from .samples import ARRAYS, VIDEO, ArrayRows, ImageRows, VideoRows, is_sample_file, sample_kind
+from .samples import ARRAYS, IMAGE, VIDEO, ArrayRows, ImageRows, VideoRows, is_sample_file, \
+    sample_kind
+from .shards import ShardRows, ShardSet, locate_shards, names_shards
 from .order import Batches, shard_order, split_batches
 from .transform import OutputTransform
 from .wire import COMPRESSORS
@@ -79,8 +82,8 @@ class Limits:
 class StreamPlan:
     """Everything a stream needs, checked: located paths, labels, batches, output."""
 
-    paths: LocatedPaths
-    reader: ImageRows | VideoRows | ArrayRows
+    paths: LocatedPaths  # or, for tar shards, each sample's shard (shards.py)
+    reader: ImageRows | VideoRows | ArrayRows | ShardRows
     labels: np.ndarray | None
     classes: list[str]
     batches: Batches
@@ -120,13 +123,17 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     names, listed_labels, prefix = _sample_names(req, roots, limits)
     if not names:
         raise _invalid("samples: the list is empty")
-    samples = _sample_files(names, prefix, roots, limits.max_samples)
-    names, paths = samples.names, samples.paths
-    labels, classes = _labels(req, samples, listed_labels, roots)
-    try:
-        kind = sample_kind(names)
-    except ValueError as e:
-        raise _invalid(str(e)) from None
+    shards = _tar_shards(req, names, prefix, roots, limits)  # tar shards (shards.py), or None
+    if shards:
+        paths, labels, classes, kind = None, None, [], IMAGE
+    else:
+        samples = _sample_files(names, prefix, roots, limits.max_samples)
+        names, paths = samples.names, samples.paths
+        labels, classes = _labels(req, samples, listed_labels, roots)
+        try:
+            kind = sample_kind(names)
+        except ValueError as e:
+            raise _invalid(str(e)) from None
 
     if req.batch_size <= 0:
         raise _invalid(f"batch_size must be positive, got {req.batch_size}")
@@ -137,13 +144,17 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
         raise _invalid(f"rank must be in [0, world_size={world_size}), got {req.rank}")
     # Every split over ranks carries `padded` (order.py), so a trainer's keys do
     # not depend on whether world_size happens to divide the data set.
-    extra = _own_arrays(labels is not None, padded=world_size > 1)
+    extra = _own_arrays(labels is not None or bool(shards and shards.has_labels),
+                        padded=world_size > 1)
     if kind == ARRAYS:
         transform = None
         reader = ArrayRows(_first_arrays(paths[0], names[0], roots))
         layout = _array_layout(req.batch_size, reader, extra)
     else:
         transform, reader = _pixels(req, kind)
+        if shards:
+            reader = ShardRows(transform, shards)
+            paths = reader.paths
         layout = _image_layout(req.batch_size, transform, extra)
 
     prefetch = req.prefetch or limits.default_prefetch
@@ -165,8 +176,11 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
         raise _invalid(f"transport: {name} is not offered by this server (offered: {offered})")
 
     compression, compress = _compression(req.compression, transport)
-    order = shard_order(len(names), rank=req.rank, world_size=world_size,
-                        shuffle=req.shuffle, seed=req.seed, epoch=req.epoch)
+    if shards and len(shards.paths) < world_size:
+        raise _invalid(f"world_size: {world_size} ranks but {len(shards.paths)} tar shards; "
+                       f"each rank reads whole shards")
+    order = (shards.order if shards else partial(shard_order, len(names)))(
+        rank=req.rank, world_size=world_size, shuffle=req.shuffle, seed=req.seed, epoch=req.epoch)
     batches = _served_batches(req, split_batches(order, req.batch_size, req.drop_last))
     if not 0 <= req.start_batch <= len(batches):
         raise _invalid(f"start_batch must be in 0..{len(batches)} (batches in this stream), "
@@ -408,6 +422,32 @@ def _split_labels(lines: Iterable[str], labels: array) -> Iterator[str]:
         if not tab:
             raise _invalid(f"list_file: line {number} is not `path<TAB>integer label`: {line!r}")
         yield name
+
+
+def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
+                roots: DataRoots, limits: Limits) -> ShardSet | None:
+    """The named tar shards, indexed (shards.py); None when the names are loose files."""
+    try:
+        if not names_shards(names):
+            return None
+        paths = locate_shards(names, prefix, roots)
+    except OutsideDataRoots as e:
+        raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+    except ValueError as e:
+        raise _invalid(str(e)) from None
+    if req.labels or req.label_source != feed_pb2.LABELS_FROM_REQUEST:
+        raise _invalid("labels: tar shards carry their labels (.cls or .txt members); "
+                       "give neither labels nor label_source")
+    shards = ShardSet.index(roots, paths)
+    if shards.num_samples > limits.max_samples:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"samples: the shards hold {shards.num_samples} samples, over the "
+                           f"server's --max-samples {limits.max_samples}")
+    if len(shards.unreadable()) == len(paths):
+        path, why = shards.unreadable()[0]
+        raise RequestError(grpc.StatusCode.NOT_FOUND,
+                           f"samples: no tar shard could be read (first: {path!r}: {why})")
+    return shards
 
 
 def _sample_files(names: SampleNames, prefix: str, roots: DataRoots, max_samples: int

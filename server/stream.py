@@ -310,6 +310,8 @@ class Stream:
                 batch.arrays = None
             self._batches.clear()
             self.ring.close()
+        if hasattr(self.plan.reader, "forget"):  # reads issued ahead for rows never decoded
+            self.plan.reader.forget(self.roots)
         self.source.give_back(unsent)
 
     def _start_ready(self) -> None:
@@ -320,4 +322,6 @@ class Stream:
             batch = Batch(self, self._next_seq, self.ring.lease(self._next_seq), number)
             self._batches[self._next_seq] = batch
             self._next_seq += 1
+            if hasattr(self.plan.reader, "read_ahead"):  # the I/O stage (readahead.py)
+                self.plan.reader.read_ahead(self.roots, batch.indices)
             self._pool.submit(self, batch, range(len(batch.indices)))

@@ -20,7 +20,7 @@ from bench import run, soak
 # inline transport is streamed by the soak below). Every row is a few fresh processes that
 # import torch: that, not the images, is what this test's time goes on.
 _REQUIRED = {"ceiling", "gpufeed-shm", "gpufeed-shm-rrc", "torch-2", "torch-2-rrc",
-             "trainers-2", "npy-gpufeed", "npz-numpy"}
+             "trainers-2", "npy-gpufeed", "npz-numpy", "shards-local"}
 # Peers that are optional (the bench extra), one row per module. tf-service is left out: its
 # two TensorFlow processes alone took ~8 s of this test's budget.
 _OPTIONAL = {"spdl", "tf-rrc", "dali-rrc"}

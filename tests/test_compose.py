@@ -356,7 +356,8 @@ def test_the_dockerfile_matches_the_compose_service(compose):
     base = _instruction("ARG")[0].split("=", 1)[1]
     assert base.startswith("pytorch/pytorch:") and "cuda" in base
     assert _instruction("FROM") == ["${BASE_IMAGE}"]
-    assert any(re.search(r'pip install (--\S+ \S+ )*"\.\[server\]"', run) for run in _instruction("RUN"))
+    assert any(re.search(r'pip install (--\S+ \S+ )*"\.\[server,s3\]"', run)
+               for run in _instruction("RUN"))
     [user] = _instruction("USER")
     assert user.split(":")[0] not in ("root", "0")
     assert json.loads(_instruction("ENTRYPOINT")[0]) == ["gpufeed-server"]

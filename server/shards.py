@@ -1,0 +1,422 @@
+"""Tar shards in WebDataset's layout: which samples they hold, in what order, and how
+one is read.
+
+A request whose names end in ``.tar`` (a list, a list file, or brace patterns
+such as ``train-{0000..0146}.tar``) names shards. A sample is the group of
+consecutive members sharing a key: the member's path up to the first dot of its
+file name (``a/000123.jpg`` and ``a/000123.cls`` are sample ``a/000123``). Its
+image member (``.jpg``, ``.png``, ... ) decodes as a loose image does; a ``.cls``
+or ``.txt`` member holding an integer is its label (a stream has labels when
+its first sample has one; a later sample without one fails).
+
+Each shard's members are indexed once, at plan time, from the tar headers
+(offsets and sizes; a local shard is read header by header, an S3 object in one
+sequential GET) and the index is kept, keyed by the shard's version, for later
+requests. A sample is then (shard, offset, size): rows still decode in
+parallel on the decode pool, each reading just its own members, never
+extracting anything to disk. ``index`` is a sample's position among all
+samples of the listed shards, in list order.
+
+The order, a pure function of (seed, epoch, rank, world_size):
+
+1. the shard list is permuted by a generator seeded with (seed, epoch) when
+   shuffling (the same permutation on every rank);
+2. rank r takes shards r, r + world_size, ... of that list; a rank with fewer
+   samples than the longest repeats its own first samples (flagged ``padded``,
+   as order.py pads loose files) so that every rank has as many batches;
+3. the rank's samples, shard after shard, in each shard's order, pass through
+   a shuffle buffer of ``SHUFFLE_BUFFER`` samples seeded with
+   (seed, epoch, rank): once full, each next sample takes the place of a
+   uniformly chosen one, which is delivered; at the end the rest are
+   delivered in a random order.
+
+The memory bound: the sample delivered at position p is among the first
+p + ``SHUFFLE_BUFFER`` samples of the rank's sequential stream, so the bytes a
+stream touches at any moment lie in a window of ``SHUFFLE_BUFFER`` + (prefetch
++ 1) x batch_size samples of consecutive shards, which reads within a shard
+keep near-sequential (the page cache's read-ahead, or an S3 range read per
+member). The plan itself holds 8 bytes of order and about 40 bytes of index
+per sample, plus each shard's path.
+
+Resume is exact at any batch (the position the client sends), since the order
+is computed whole at plan time. A shard whose data ends early (truncated)
+keeps its complete samples; those whose members run past the end fail with
+"truncated shard". A shard that cannot be read (missing object, not a tar)
+counts as one failed sample, its samples being unknown. Failures count against
+the stream's failure budget as any bad file does; the pass goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import posixpath
+import re
+import tarfile
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from .decode import DecodeError
+from .paths import OutsideDataRoots
+from .storage import is_s3
+from .transform import OutputTransform
+
+__all__ = ["SHUFFLE_BUFFER", "ShardIndex", "ShardRows", "ShardSet", "expand_braces",
+           "names_shards"]
+
+SHUFFLE_BUFFER = 1000
+_IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
+_LABEL_SUFFIXES = ("cls", "txt")
+_LABEL_MAX_BYTES = 64
+_INDEX_THREADS = 8
+_CACHED_SHARDS = 4096
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+# Why a sample fails before any read (kept per sample as a small code).
+_OK, _TRUNCATED, _NO_IMAGE, _UNREADABLE = 0, 1, 2, 3
+
+
+def expand_braces(name: str) -> list[str]:
+    """``a-{00..02}.tar`` -> a-00.tar, a-01.tar, a-02.tar; ``{x,y}`` lists; nested in turn.
+
+    A numeric range keeps the zero padding of its first bound. ValueError for an
+    unmatched brace or an empty range.
+    """
+    match = _BRACE.search(name)
+    if match is None:
+        if "{" in name or "}" in name:
+            raise ValueError(f"{name!r}: unmatched brace")
+        return [name]
+    body = match.group(1)
+    numeric = _RANGE.match(body)
+    if numeric:
+        first, last = int(numeric.group(1)), int(numeric.group(2))
+        if last < first:
+            raise ValueError(f"{name!r}: the range {{{body}}} is empty")
+        width = len(numeric.group(1))
+        choices = [str(i).zfill(width) for i in range(first, last + 1)]
+    else:
+        choices = body.split(",")
+    head, tail = name[:match.start()], name[match.end():]
+    return [expanded for choice in choices for expanded in expand_braces(head + choice + tail)]
+
+
+def names_shards(names: list[str]) -> bool:
+    """Whether a request's names are tar shards; ValueError when shards and loose files mix."""
+    shards = [n.endswith(".tar") or "{" in n for n in names]
+    if any(shards) and not all(shards):
+        loose = names[shards.index(False)]
+        raise ValueError(f"samples: {names[shards.index(True)]!r} is a tar shard but {loose!r} "
+                         f"is not; a stream reads shards or loose files, not both")
+    return bool(shards) and all(shards)
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """One shard's samples: image and label members as (offset, size), and why any fails."""
+
+    problem: str  # the shard could not be read at all (its samples are unknown), else ""
+    image_offset: np.ndarray
+    image_size: np.ndarray
+    label_offset: np.ndarray  # -1: no label member
+    label_size: np.ndarray
+    failure: np.ndarray  # per sample: _OK, _TRUNCATED, _NO_IMAGE
+
+    @property
+    def samples(self) -> int:
+        return len(self.failure) if not self.problem else 1
+
+
+def _index_members(members: list[tarfile.TarInfo], size: int, truncated: bool) -> ShardIndex:
+    """Group members by key, in order; mark samples whose members end past ``size``."""
+    image_offset, image_size, label_offset, label_size, failure = [], [], [], [], []
+    for _, group in itertools.groupby((m for m in members if m.isfile()), key=_key):
+        image = label = None
+        for member in group:
+            suffix = _suffix(member.name)
+            if image is None and suffix in _IMAGE_SUFFIXES:
+                image = member
+            elif label is None and suffix in _LABEL_SUFFIXES:
+                label = member
+        used = [m for m in (image, label) if m is not None]
+        ends_past = any(m.offset_data + m.size > size for m in used)
+        image_offset.append(image.offset_data if image else 0)
+        image_size.append(image.size if image else 0)
+        label_offset.append(label.offset_data if label else -1)
+        label_size.append(label.size if label else 0)
+        failure.append(_TRUNCATED if ends_past or (truncated and image is None)
+                       else _NO_IMAGE if image is None else _OK)
+    return ShardIndex("", np.asarray(image_offset, np.int64), np.asarray(image_size, np.int64),
+                      np.asarray(label_offset, np.int64), np.asarray(label_size, np.int64),
+                      np.asarray(failure, np.int8))
+
+
+def _key(member: tarfile.TarInfo) -> str:
+    folder, name = posixpath.split(member.name)
+    return posixpath.join(folder, name.split(".", 1)[0])
+
+
+def _suffix(name: str) -> str:
+    return posixpath.basename(name).split(".", 1)[-1].lower() if "." in name else ""
+
+
+def _unreadable(why: str) -> ShardIndex:
+    empty = np.zeros(0, np.int64)
+    return ShardIndex(why, empty, empty, empty, empty, np.zeros(0, np.int8))
+
+
+class _IndexCache:
+    """Shard indexes by (path, version), least recently used dropped past a bound."""
+
+    def __init__(self, bound: int = _CACHED_SHARDS):
+        self._lock = threading.Lock()
+        self._bound = bound
+        self._indexes: OrderedDict[tuple[str, str], ShardIndex] = OrderedDict()
+
+    def get(self, key: tuple[str, str]) -> ShardIndex | None:
+        with self._lock:
+            index = self._indexes.get(key)
+            if index is not None:
+                self._indexes.move_to_end(key)
+            return index
+
+    def put(self, key: tuple[str, str], index: ShardIndex) -> None:
+        with self._lock:
+            self._indexes[key] = index
+            while len(self._indexes) > self._bound:
+                self._indexes.popitem(last=False)
+
+
+_CACHE = _IndexCache()
+
+
+def index_shard(storage, path: str) -> ShardIndex:
+    """The shard's index: from the cache when the shard has not changed, else from its headers."""
+    try:
+        version = storage.version(path)
+        cached = _CACHE.get((path, version))
+        if cached is not None:
+            return cached
+        file, size = storage.open_sequential(path)
+    except FileNotFoundError:
+        return _unreadable("shard not found")
+    except OSError as e:
+        return _unreadable(f"shard unreadable: {e}")
+    with file:
+        members, truncated = [], False
+        seekable = getattr(file, "seekable", lambda: False)()
+        try:
+            # Locally: header after header, seeking over the data. S3: one sequential read.
+            with tarfile.open(fileobj=file, mode="r:" if seekable else "r|") as tar:
+                while (member := tar.next()) is not None:
+                    members.append(member)
+        except tarfile.ReadError as e:
+            if not members:
+                return _unreadable(f"not a tar shard: {e}")
+            truncated = True
+        except (OSError, EOFError) as e:
+            if not members:
+                return _unreadable(f"shard unreadable: {e}")
+            truncated = True
+    index = _index_members(members, size, truncated)
+    _CACHE.put((path, version), index)
+    return index
+
+
+class ShardSet:
+    """The listed shards' samples, flattened in list order, and their order per pass."""
+
+    def __init__(self, paths: list[str], indexes: list[ShardIndex]):
+        self.paths = paths
+        self.indexes = indexes
+        counts = np.asarray([index.samples for index in indexes], np.int64)
+        self.first = np.concatenate([[0], np.cumsum(counts)])  # shard s: samples first[s]..
+        self.sample_shard = np.repeat(np.arange(len(paths), dtype=np.int32), counts)
+        self.has_labels = _first_has_label(indexes)
+
+    @classmethod
+    def index(cls, storage, paths: list[str]) -> ShardSet:
+        """Index every shard (in parallel: S3 reads wait on the network)."""
+        with ThreadPoolExecutor(min(_INDEX_THREADS, len(paths))) as pool:
+            indexes = list(pool.map(lambda p: index_shard(storage, p), paths))
+        return cls(paths, indexes)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.first[-1])
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.first, self.sample_shard] + [
+            a for i in self.indexes for a in (i.image_offset, i.image_size, i.label_offset,
+                                               i.label_size, i.failure)]
+        return sum(a.nbytes for a in arrays) + sum(len(p) for p in self.paths)
+
+    def unreadable(self) -> list[tuple[str, str]]:
+        return [(p, i.problem) for p, i in zip(self.paths, self.indexes) if i.problem]
+
+    def order(self, *, rank: int, world_size: int, shuffle: bool, seed: int,
+              epoch: int) -> np.ndarray:
+        """This rank's sample indices in delivery order (the rule in the module docstring)."""
+        shards = np.arange(len(self.paths))
+        if shuffle:
+            shards = np.random.default_rng([seed, epoch]).permutation(shards)
+        mine = shards[rank::world_size]
+        stream = np.concatenate([np.arange(self.first[s], self.first[s + 1]) for s in mine]) \
+            if len(mine) else np.zeros(0, np.int64)
+        order = stream.astype(np.int64)
+        if shuffle:
+            order = _buffer_shuffle(order, np.random.default_rng([seed, epoch, rank]),
+                                    SHUFFLE_BUFFER)
+        # Every rank as long as the longest (order.py's padding): repeats of this rank's own
+        # first samples, as positions past the end (p -> sample p % num_samples, padded).
+        counts = np.diff(self.first)
+        longest = max(int(counts[shards[r::world_size]].sum()) for r in range(world_size))
+        if 0 < len(order) < longest:
+            order = np.concatenate([order, np.resize(order, longest - len(order))
+                                    + self.num_samples])
+        return order
+
+    def locate(self, sample: int) -> tuple[str, ShardIndex, int]:
+        """(shard path, its index, the sample's position within it)."""
+        shard = int(self.sample_shard[sample])
+        return self.paths[shard], self.indexes[shard], sample - int(self.first[shard])
+
+
+def _first_has_label(indexes: list[ShardIndex]) -> bool:
+    for index in indexes:
+        if not index.problem and len(index.label_offset):
+            return bool(index.label_offset[0] >= 0)
+    return False
+
+
+def _buffer_shuffle(stream: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
+    """WebDataset's shuffle buffer, made deterministic: see the module docstring."""
+    if len(stream) <= size:
+        return rng.permutation(stream)
+    out = np.empty_like(stream)
+    buffer = stream[:size].copy()
+    picks = rng.integers(0, size, len(stream) - size)
+    for n, (incoming, pick) in enumerate(zip(stream[size:].tolist(), picks.tolist())):
+        out[n] = buffer[pick]
+        buffer[pick] = incoming
+    out[len(stream) - size:] = rng.permutation(buffer)
+    return out
+
+
+class _SamplePaths:
+    """``plan.paths[index]``: the shard a sample lives in (for logs and failure reports)."""
+
+    def __init__(self, shards: ShardSet):
+        self._shards = shards
+
+    def __getitem__(self, sample: int) -> str:
+        return self._shards.paths[int(self._shards.sample_shard[sample])]
+
+    def __len__(self) -> int:
+        return self._shards.num_samples
+
+    @property
+    def nbytes(self) -> int:
+        """The index a plan keeps (counted against the server's memory budget)."""
+        return self._shards.nbytes
+
+
+class ShardRows:
+    """Reads a shard sample's image member (and label) into its row of a batch."""
+
+    def __init__(self, transform: OutputTransform, shards: ShardSet):
+        self.transform = transform
+        self.shards = shards
+        self.paths = _SamplePaths(shards)
+        self._lock = threading.Lock()
+        self._ahead: dict[int, object] = {}  # sample -> its read issued ahead (readahead.py)
+
+    def read_ahead(self, storage, samples: np.ndarray) -> None:
+        """Issue the reads of a batch's samples now, when the storage reads ahead (S3)."""
+        if storage.read_ahead is None:
+            return
+        for sample in samples.tolist():
+            span = self._span(sample)
+            if span is not None and is_s3(span[0]):
+                shard, start, size = span
+                with self._lock:
+                    self._ahead[sample] = storage.read_ahead.issue(
+                        size, partial(storage.read_range, shard, start, size))
+
+    def forget(self, storage) -> None:
+        """The stream ended: reads issued for rows nobody will decode give their bytes back."""
+        with self._lock:
+            ahead, self._ahead = self._ahead, {}
+        for pending in ahead.values():
+            storage.read_ahead.drop(pending)
+
+    def _span(self, sample: int) -> tuple[str, int, int] | None:
+        """(shard, offset, size) of the bytes holding a sample's members; None if it fails."""
+        shard, shard_index, n = self.shards.locate(sample)
+        if shard_index.problem or shard_index.failure[n] != _OK or \
+                (self.shards.has_labels and shard_index.label_offset[n] < 0):
+            return None
+        members = [(int(shard_index.image_offset[n]), int(shard_index.image_size[n]))]
+        if self.shards.has_labels:
+            members.append((int(shard_index.label_offset[n]), int(shard_index.label_size[n])))
+        start = min(offset for offset, _ in members)
+        return shard, start, max(offset + size for offset, size in members) - start
+
+    def read_into(self, storage, path, index, arrays, row, decoders, stages) -> None:
+        crop, flip = self.transform.choose(index)
+        shard, shard_index, n = self.shards.locate(index)
+        if shard_index.problem:
+            raise DecodeError(shard_index.problem)
+        failure = shard_index.failure[n]
+        if failure == _TRUNCATED:
+            raise DecodeError(f"truncated shard (sample {n} runs past its end)")
+        if failure == _NO_IMAGE:
+            raise DecodeError(f"sample {n} has no image member")
+        if self.shards.has_labels and shard_index.label_offset[n] < 0:
+            raise DecodeError(f"sample {n} has no .cls/.txt label member")
+        _, start, size = self._span(index)
+        with stages["read"].time():
+            with self._lock:
+                pending = self._ahead.pop(index, None)
+            data = storage.read_ahead.take(pending) if pending is not None else \
+                storage.read_range(shard, start, size)
+        if len(data) < size:
+            raise DecodeError(f"truncated shard (sample {n} runs past its end)")
+        if self.shards.has_labels:
+            at = int(shard_index.label_offset[n]) - start
+            arrays["label"][row] = _label(n, data[at:at + int(shard_index.label_size[n])])
+        at = int(shard_index.image_offset[n]) - start
+        with stages["decode"].time():  # the decoder flips, as for loose images
+            decoders.image.decode_into(data[at:at + int(shard_index.image_size[n])],
+                                       arrays.get("decoded", arrays["image"])[row], crop, flip)
+
+
+def _label(n: int, text: bytes) -> int:
+    if len(text) > _LABEL_MAX_BYTES:
+        raise DecodeError(f"sample {n}'s label member is {len(text)} bytes, not an int")
+    try:
+        return int(text.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise DecodeError(f"sample {n}'s label {text[:20]!r} is not an integer") from None
+
+
+def locate_shards(names: list[str], prefix: str, storage) -> list[str]:
+    """Every shard's confined path, braces expanded. OutsideDataRoots / ValueError name the item."""
+    paths = []
+    for i, name in enumerate(names):
+        try:
+            expanded = expand_braces(prefix + name)
+        except ValueError as e:
+            raise ValueError(f"samples[{i}]: {e}") from None
+        for shard in expanded:
+            try:
+                paths.append(storage.locate(shard))
+            except OutsideDataRoots as e:
+                raise OutsideDataRoots(f"samples[{i}]: {e}") from None
+    return paths

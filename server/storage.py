@@ -1,0 +1,294 @@
+"""Where sample bytes come from: local data roots, or prefixes in S3-compatible storage.
+
+``Storage`` is what the rest of the server reads through. A data root is a
+local directory (``paths.DataRoots`` keeps reads inside it) or an
+``s3://bucket/prefix`` URL. Confinement is the same idea for both: a name that
+resolves outside every root is refused (``OutsideDataRoots``, sent as
+PERMISSION_DENIED). For S3 a name is ``s3://bucket/key``, confined when its
+bucket is a root's and its key lies under the root's prefix (``..`` segments
+are refused, never resolved); a relative name resolves under the first S3 root
+when no local root is configured.
+
+The operator configures S3 (never the client): the endpoint with
+``--s3-endpoint`` or boto3's own ``AWS_ENDPOINT_URL``, credentials and region
+as boto3 finds them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, the
+shared config and credentials files, an instance role). boto3 is the ``s3``
+extra and is imported only when a root is an S3 URL. One client is shared by
+every thread (boto3 clients are thread-safe), with a connection pool as large
+as the threads that use it.
+
+Loose S3 files are images only: video and array readers need a seekable local
+file, and fail such a sample saying so.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import sys
+import time
+from typing import IO
+
+from .paths import DEFAULT_MAX_FILE_BYTES, DataRoots, FileTooLarge, OutsideDataRoots
+from .readahead import ReadAhead
+
+__all__ = ["Storage", "is_s3"]
+
+_S3 = "s3://"
+# A shard is a container: its size is not limited, each sample read from it is.
+_CONTAINER = sys.maxsize
+_READ_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def is_s3(name: str) -> bool:
+    return name.startswith(_S3)
+
+
+def _split_s3(url: str) -> tuple[str, str]:
+    bucket, _, key = url[len(_S3):].partition("/")
+    return bucket, key
+
+
+class _S3Root:
+    """One ``s3://bucket/prefix`` root."""
+
+    def __init__(self, url: str):
+        bucket, prefix = _split_s3(url.rstrip("/"))
+        if not bucket:
+            raise ValueError(f"data root {url!r}: an S3 root is s3://bucket[/prefix]")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.url = f"{_S3}{bucket}/{self.prefix}".rstrip("/")
+
+    def holds(self, bucket: str, key: str) -> bool:
+        return bucket == self.bucket and (not self.prefix or key.startswith(self.prefix + "/"))
+
+
+class Storage:
+    """Reads confined to the data roots, local or S3; a drop-in for ``DataRoots``."""
+
+    def __init__(self, roots: list[str], s3_endpoint: str | None = None,
+                 max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, connections: int = 10,
+                 io_threads: int = 16, read_ahead_bytes: int = 256 << 20):
+        if not roots:
+            raise ValueError("at least one data root is required")
+        local = [r for r in roots if not is_s3(r)]
+        self.max_file_bytes = max_file_bytes
+        self._local = DataRoots(local, max_file_bytes) if local else None
+        self._s3_roots = [_S3Root(r) for r in roots if is_s3(r)]
+        self.roots = (self._local.roots if self._local else []) + [r.url for r in self._s3_roots]
+        self._client = None
+        # The I/O stage (readahead.py): only for S3, and off with a budget of 0.
+        self.read_ahead: ReadAhead | None = None
+        if self._s3_roots:
+            self._client = _s3_client(s3_endpoint, connections + io_threads)
+            if read_ahead_bytes > 0:
+                self.read_ahead = ReadAhead(io_threads, read_ahead_bytes)
+        self._bytes = self._seconds = None
+
+    def register_metrics(self, registry) -> None:
+        """Per source (local, s3): bytes read and read latency; the read-ahead depth."""
+        from prometheus_client import Counter, Histogram
+
+        self._bytes = Counter("gpufeed_storage_read_bytes", "Bytes read from storage, per "
+                              "source.", ["source"], registry=registry)
+        self._seconds = Histogram("gpufeed_storage_read_seconds", "Latency of one read "
+                                  "(a sample, a file, a shard's members), per source.",
+                                  ["source"], buckets=_READ_BUCKETS, registry=registry)
+        for source in ("local", "s3"):
+            self._bytes.labels(source)
+            self._seconds.labels(source)
+        registry.register(_ReadAheadDepth(self))
+
+    def close(self) -> None:
+        if self.read_ahead is not None:
+            self.read_ahead.close()
+
+    # -- names -------------------------------------------------------------
+
+    def locate(self, name: str) -> str:
+        """The confined path or URL for ``name``; OutsideDataRoots when it escapes."""
+        if is_s3(name):
+            bucket, key = _split_s3(name)
+            if ".." in key.split("/") or not any(r.holds(bucket, key) for r in self._s3_roots):
+                raise OutsideDataRoots(f"{name!r} is not under an S3 data root")
+            return name
+        if self._local is not None:
+            return self._local.locate(name)
+        rel = posixpath.normpath(name)
+        if name.startswith("/") or rel == ".." or rel.startswith("../"):
+            raise OutsideDataRoots(f"{name!r} is not under a data root")
+        root = self._s3_roots[0]
+        return f"{_S3}{root.bucket}/{posixpath.join(root.prefix, rel).lstrip('/')}"
+
+    def shown(self, path: str) -> str:
+        """A located path as a request would name it, for messages (an S3 URL in full)."""
+        if is_s3(path) or self._local is None:
+            return path
+        return self._local.shown(path)
+
+    def root_of(self, path: str) -> str | None:
+        """The root a located path lies under (lexically), or None."""
+        if is_s3(path):
+            bucket, key = _split_s3(path)
+            return next((r.url for r in self._s3_roots if r.holds(bucket, key)), None)
+        return self._local.root_of(path) if self._local is not None else None
+
+    # -- reads -------------------------------------------------------------
+
+    def read(self, path: str, max_bytes: int | None = None,
+             flag: str = "--max-file-bytes") -> bytes:
+        """The whole file or object; FileTooLarge past ``max_bytes`` (``max_file_bytes``)."""
+        started = time.perf_counter()
+        if is_s3(path):
+            data = self._get(path)
+            limit = self.max_file_bytes if max_bytes is None else max_bytes
+            if len(data) > limit:
+                raise FileTooLarge(f"object of {len(data)} bytes, over the limit of {limit} "
+                                   f"(gpufeed-server {flag})")
+        else:
+            data = self._local_roots(path).read(path, max_bytes, flag)
+        self._observe(path, len(data), started)
+        return data
+
+    def read_range(self, path: str, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` (fewer at the end of the file or object): a sample
+        inside a shard, which may be larger than --max-file-bytes; the sample may not."""
+        if size <= 0:
+            return b""
+        if size > self.max_file_bytes:
+            raise FileTooLarge(f"sample of {size} bytes, over the limit of {self.max_file_bytes} "
+                               f"(gpufeed-server --max-file-bytes)")
+        started = time.perf_counter()
+        if is_s3(path):
+            data = self._get(path, f"bytes={offset}-{offset + size - 1}")
+        else:
+            fd = self._local_roots(path).open_checked(path, _CONTAINER)
+            try:
+                data = os.pread(fd, size, offset)
+            finally:
+                os.close(fd)
+        self._observe(path, len(data), started)
+        return data
+
+    def _observe(self, path: str, size: int, started: float) -> None:
+        if self._bytes is not None:
+            source = "s3" if is_s3(path) else "local"
+            self._bytes.labels(source).inc(size)
+            self._seconds.labels(source).observe(time.perf_counter() - started)
+
+    def open_checked(self, path: str, max_bytes: int | None = None,
+                     flag: str = "--max-file-bytes") -> int:
+        """A local file's descriptor (video and array readers need one)."""
+        if is_s3(path):
+            raise OSError(errno.EOPNOTSUPP, "video and array samples are read from local "
+                                            "data roots only, not S3")
+        return self._local_roots(path).open_checked(path, max_bytes, flag)
+
+    def version(self, path: str) -> str:
+        """A tag that changes when the file does (mtime and size; the ETag in S3): whether an
+        index made earlier still describes it."""
+        if is_s3(path):
+            bucket, key = _split_s3(path)
+            with _s3_errors(path):
+                reply = self._client.head_object(Bucket=bucket, Key=key)
+            return f"{reply.get('ETag', '')}:{reply['ContentLength']}"
+        fd = self._local_roots(path).open_checked(path, _CONTAINER)
+        try:
+            stat = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return f"{stat.st_mtime_ns}:{stat.st_size}"
+
+    def open_sequential(self, path: str) -> tuple[IO[bytes], int]:
+        """A stream of the whole file (seekable) or object (not), and its size."""
+        if is_s3(path):
+            bucket, key = _split_s3(path)
+            with _s3_errors(path):
+                reply = self._client.get_object(Bucket=bucket, Key=key)
+            return reply["Body"], int(reply["ContentLength"])
+        file = os.fdopen(self._local_roots(path).open_checked(path, _CONTAINER), "rb")
+        return file, os.fstat(file.fileno()).st_size
+
+    def _get(self, path: str, byte_range: str = "") -> bytes:
+        bucket, key = _split_s3(path)
+        extra = {"Range": byte_range} if byte_range else {}
+        try:
+            with _s3_errors(path):
+                reply = self._client.get_object(Bucket=bucket, Key=key, **extra)
+                return reply["Body"].read()
+        except _PastEnd:
+            return b""
+
+    def _local_roots(self, path: str) -> DataRoots:
+        if self._local is None:
+            raise OutsideDataRoots(f"{path!r} is not under a data root")
+        return self._local
+
+
+def _s3_client(endpoint: str | None, connections: int):
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise RuntimeError("an s3:// data root needs boto3: pip install 'gpufeed[server,s3]'") \
+            from None
+    # boto3 reads AWS_ENDPOINT_URL itself; looked up here too, to address buckets as paths.
+    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or \
+        os.environ.get("AWS_ENDPOINT_URL")
+    config = Config(max_pool_connections=connections,
+                    retries={"max_attempts": 3, "mode": "standard"},
+                    # Custom endpoints (SeaweedFS, MinIO, Ceph) serve buckets as paths.
+                    s3={"addressing_style": "path"} if endpoint else None)
+    return boto3.session.Session().client("s3", endpoint_url=endpoint or None, config=config)
+
+
+class _PastEnd(Exception):
+    """A range that starts past the end of the object."""
+
+
+class _s3_errors:
+    """botocore's errors as the OSError kinds a sample failure is reported by."""
+
+    def __init__(self, path: str):
+        self._path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if error is None:
+            return False
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if isinstance(error, ClientError):
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            if code in ("NoSuchKey", "404", "NotFound", "NoSuchBucket"):
+                raise FileNotFoundError(errno.ENOENT, f"{self._path}: not found") from None
+            if code in ("AccessDenied", "403", "Forbidden"):
+                raise PermissionError(errno.EACCES, f"{self._path}: access denied") from None
+            if code == "InvalidRange":
+                raise _PastEnd() from None
+            raise OSError(errno.EIO, f"{self._path}: S3 error {code}") from None
+        if isinstance(error, BotoCoreError):
+            raise OSError(errno.EIO, f"{self._path}: {error}") from None
+        return False
+
+
+class _ReadAheadDepth:
+    """Scrape-time gauges of the I/O stage: reads queued or under way, bytes held."""
+
+    def __init__(self, storage: Storage):
+        self._storage = storage
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        queued, held = self._storage.read_ahead.depth() if self._storage.read_ahead else (0, 0)
+        yield GaugeMetricFamily("gpufeed_storage_read_ahead_reads", "Reads issued ahead of "
+                                "the decode threads and not yet started or taken (S3).",
+                                value=queued)
+        yield GaugeMetricFamily("gpufeed_storage_read_ahead_bytes", "Bytes of reads ahead "
+                                "started and not yet taken by a decode thread (S3; within "
+                                "--read-ahead-bytes).", value=held)
