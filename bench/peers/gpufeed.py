@@ -39,6 +39,19 @@ def _options(job: str, size: tuple[int, int]) -> dict:
     return crop
 
 
+def measure(loader, config, meter, job: str = "squash") -> None:
+    """Meter ``config.passes`` passes of a gpufeed loader, its first batch checked
+    to be the job's output (every gpufeed row reads its batches this way)."""
+    for epoch in range(config.passes):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            image = batch["image"]
+            if meter.images == 0:
+                jobs.check_batch(image.shape, image.dtype, tuple(config.size), job)
+            meter.batch(int(image.shape[0]))
+    meter.stop()
+
+
 def run(config, meter, job: str, transport: str) -> str:
     from gpufeed.client import FeedClient
     from gpufeed.server.process import ServerProcess
@@ -48,14 +61,7 @@ def run(config, meter, job: str, transport: str) -> str:
     with ServerProcess(args) as server, FeedClient(server.address) as feed:
         loader = feed.loader(files=config.list_file, batch_size=config.batch_size,
                              size=size, transport=transport, **_options(job, size))
-        for epoch in range(config.passes):
-            loader.set_epoch(epoch)
-            for batch in loader:
-                image = batch["image"]
-                if meter.images == 0:
-                    jobs.check_batch(image.shape, image.dtype, size, job)
-                meter.batch(int(image.shape[0]))
-        meter.stop()
+        measure(loader, config, meter, job)
         if loader.transport != transport:
             raise RuntimeError(f"asked for {transport}, the server chose {loader.transport}")
     return f"server: {config.threads} decode threads; trainer in another process"

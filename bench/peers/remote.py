@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 from . import Unavailable
+from .gpufeed import measure
 
 
 class _LinkMeter:
@@ -104,8 +105,4 @@ def _gpufeed(config, meter: _LinkMeter, link) -> None:
             FeedClient(server.address) as feed:
         loader = feed.loader(files=config.list_file, batch_size=config.batch_size,
                              size=tuple(config.size), transport="inline")
-        for epoch in range(config.passes):
-            loader.set_epoch(epoch)
-            for batch in loader:
-                meter.batch(int(batch["image"].shape[0]))
-        meter.stop()
+        measure(loader, config, meter)

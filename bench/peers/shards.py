@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from . import Unavailable
+from .gpufeed import measure
 
 __all__ = ["pack", "run"]
 
@@ -60,11 +61,7 @@ def _read(config, meter, args: list[str], files: str, env: dict | None = None) -
             FeedClient(server.address) as feed:
         loader = feed.loader(files=[files], batch_size=config.batch_size,
                              size=tuple(config.size), transport="shm")
-        for epoch in range(config.passes):
-            loader.set_epoch(epoch)
-            for batch in loader:
-                meter.batch(int(batch["image"].shape[0]))
-        meter.stop()
+        measure(loader, config, meter)
 
 
 def run(config, meter, job: str, where: str) -> str:
