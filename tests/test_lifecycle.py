@@ -122,7 +122,12 @@ def test_finished_streams_let_go_of_their_memory(data_dir, image_names):
 
         def held() -> list[str]:
             fds = f"/proc/{server.proc.pid}/fd"
-            links = [os.readlink(f"{fds}/{fd}") for fd in os.listdir(fds)]
+            links = []
+            for fd in os.listdir(fds):
+                try:
+                    links.append(os.readlink(f"{fds}/{fd}"))
+                except FileNotFoundError:  # closed since the listing: not held
+                    pass
             with open(f"/proc/{server.proc.pid}/maps") as maps:
                 mapped = [line for line in maps if "/dev/shm/gpufeed-" in line and "probe" not in line]
             return [link for link in links if "/dev/shm/gpufeed-" in link and "probe" not in link] + mapped
