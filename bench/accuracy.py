@@ -18,7 +18,7 @@ def decoder_psnr(paths: list[str], size: tuple[int, int]) -> dict:
     """Mean and worst PSNR (dB) of ``ImageDecoder`` against the reference over ``paths``."""
     from PIL import Image
 
-    from gpufeed.server.decode import ImageDecoder
+    from gpufeed.server.media.decode import ImageDecoder
 
     decoder = ImageDecoder()
     out = np.empty((3, *size), np.uint8)
@@ -37,8 +37,8 @@ def crop_psnr(paths: list[str], size: tuple[int, int], seed: int = 0, epoch: int
     """Mean and worst PSNR (dB) of random-resized crops against Pillow on the same boxes."""
     from PIL import Image
 
-    from gpufeed.server.decode import ImageDecoder
-    from gpufeed.server.transform import OutputTransform
+    from gpufeed.server.media.decode import ImageDecoder
+    from gpufeed.server.media.transform import OutputTransform
     from gpufeed.v1 import feed_pb2
 
     spec = feed_pb2.OutputSpec(height=size[0], width=size[1],

@@ -17,7 +17,7 @@ event has completed, so the server never rewrites a slot that kernels queued
 there still read. A trainer that reads a batch on another stream orders that
 stream itself (``other.wait_stream(fetching)`` before, and the reverse before
 it drops the batch), as for any tensor shared between streams. Requirements
-and failure modes are listed in gpufeed/server/cuda_ipc.py.
+and failure modes are listed in gpufeed/server/memory/cuda_ipc.py.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ class FeedClient:
         seconds to keep reconnecting after a server that has answered becomes
         unavailable (0: never); one that never answered fails at once.
         ``job``: share one pass with every loader naming the same job (one
-        server only; see gpufeed/server/sources.py for what that keeps and loses).
+        server only; see gpufeed/server/serving/sources.py for what that keeps and loses).
 
         The first stream is opened here: a refused request raises FeedError
         now, and ``loader.classes`` and ``len(loader)`` are known.

@@ -270,7 +270,7 @@ class Loader:
 
 
 # How the server's refusal for want of /dev/shm (or device) memory begins
-# (server/service.py, _slot_memory).
+# (server/serving/service.py, _slot_memory).
 _NO_SLOT_MEMORY = "no memory for this stream's"
 
 

@@ -13,10 +13,9 @@ def __getattr__(name: str):
     # on this package's import.
     if name in ("FeedServer", "ServerConfig"):
         from . import app
-
         return getattr(app, name)
     if name == "Limits":
-        from .request import Limits
+        from .serving.request import Limits
 
         return Limits
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,11 +11,11 @@ import threading
 import gpufeed
 
 try:
-    from . import jpeg
+    from .media import jpeg
     from .app import FeedServer, ServerConfig, default_threads
     from .auth import read_token
-    from .budget import default_memory_bytes
-    from .request import Limits
+    from .memory.budget import default_memory_bytes
+    from .serving.request import Limits
 except ModuleNotFoundError as e:
     # A trainer image installs gpufeed alone; say what is missing rather than a traceback.
     if e.name not in ("av", "prometheus_client", "grpc_health", "grpc_reflection"):

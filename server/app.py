@@ -18,17 +18,17 @@ from grpc_reflection.v1alpha import reflection
 from gpufeed.v1 import feed_pb2
 
 from .auth import TokenInterceptor, server_credentials
-from .calls import CallGate, worker_threads
-from .decode import DEFAULT_MAX_PIXELS
+from .serving.calls import CallGate, worker_threads
+from .media.decode import DEFAULT_MAX_PIXELS
 from .metrics import ServerMetrics
-from .paths import DEFAULT_MAX_FILE_BYTES
-from .storage import Storage
-from .pool import DecodePool
-from .request import Limits
-from .service import FeedServicer
-from .shm import ShmNamespace
-from .watchdog import Watchdog
-from .wire import add_feed_servicer
+from .storage.paths import DEFAULT_MAX_FILE_BYTES
+from .storage.roots import Storage
+from .serving.pool import DecodePool
+from .serving.request import Limits
+from .serving.service import FeedServicer
+from .memory.shm import ShmNamespace
+from .serving.watchdog import Watchdog
+from .serving.wire import add_feed_servicer
 
 __all__ = ["FeedServer", "ServerConfig"]
 
@@ -95,7 +95,7 @@ class FeedServer:
                               read_ahead_bytes=config.read_ahead_bytes)
         device = None
         if config.device != "cpu":
-            from .cuda_ipc import check_device
+            from .memory.cuda_ipc import check_device
 
             device = check_device(config.device)
         self._shm = ShmNamespace()

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpufeed.server.arrays import ArraySpec, array_layout, check, read_arrays
-from gpufeed.server.decode import DecodeError
+from gpufeed.server.media.arrays import ArraySpec, array_layout, check, read_arrays
+from gpufeed.server.media.decode import DecodeError
 
 _PICKLE = "object arrays need pickle, which gpufeed never loads"
 

@@ -17,7 +17,7 @@ from PIL import Image
 from gpufeed.client import FeedClient
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.process import ServerProcess
-from gpufeed.server.transform import OutputTransform, sample_rng
+from gpufeed.server.media.transform import OutputTransform, sample_rng
 from gpufeed.v1 import feed_pb2
 from support import psnr
 
@@ -117,7 +117,7 @@ def test_without_the_extension_the_server_says_so_and_crops_right(data_dir, crop
         "import sys\n"
         "class _Hide:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'gpufeed.server._jpeg':\n"
+        "        if name == 'gpufeed.server.media._jpeg':\n"
         "            raise ImportError('hidden by the test')\n"
         "sys.meta_path.insert(0, _Hide())\n")
     with ServerProcess(["--data-root", str(data_dir)],
@@ -139,6 +139,6 @@ def test_without_the_extension_the_server_says_so_and_crops_right(data_dir, crop
 
 
 def test_the_server_logs_its_jpeg_decoder(server):
-    from gpufeed.server import jpeg
+    from gpufeed.server.media import jpeg
 
     assert jpeg.describe() in "".join(server.log)

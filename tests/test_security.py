@@ -243,9 +243,9 @@ def test_a_second_open_ends_the_stream(server, image_names):
 
 
 def test_an_unexpected_sample_error_logs_its_traceback_once(caplog):
-    from gpufeed.server.stream import log_sample_bug
+    from gpufeed.server.serving.stream import log_sample_bug
 
-    with caplog.at_level("DEBUG", logger="gpufeed.server.stream"):
+    with caplog.at_level("DEBUG", logger="gpufeed.server.serving.stream"):
         for index in range(3):
             try:
                 raise OverflowError(f"bug {index}")

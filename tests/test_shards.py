@@ -11,7 +11,7 @@ from PIL import Image
 
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.process import ServerProcess
-from gpufeed.server.shards import SHUFFLE_BUFFER, expand_braces
+from gpufeed.server.storage.shards import SHUFFLE_BUFFER, expand_braces
 from shards import corrupt_shard, cut_shard, label_of, write_shards
 from support import MIN_PSNR_DB, psnr
 
@@ -137,7 +137,7 @@ def test_shards_outside_the_data_roots_and_missing_everywhere_are_refused(feed):
 
 def test_shuffle_buffer_delivers_each_sample_within_its_bound():
     """The stated memory bound: delivery position p takes a sample among stream's first p + B."""
-    from gpufeed.server.shards import _buffer_shuffle
+    from gpufeed.server.storage.shards import _buffer_shuffle
 
     stream = np.arange(500)
     out = _buffer_shuffle(stream, np.random.default_rng([1, 2, 0]), 16)

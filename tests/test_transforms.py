@@ -12,7 +12,7 @@ from PIL import Image
 
 from gpufeed.client import FeedClient
 from gpufeed.server.process import ServerProcess
-from gpufeed.server.transform import OutputTransform, random_resized_crop_box, sample_rng
+from gpufeed.server.media.transform import OutputTransform, random_resized_crop_box, sample_rng
 from gpufeed.v1 import feed_pb2
 from support import MIN_PSNR_DB, psnr
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpufeed.server.paths import DataRoots, OutsideDataRoots
-from gpufeed.server.ring import BatchLayout, SlotRing
-from gpufeed.server.order import samples_at, shard_order, split_batches
+from gpufeed.server.storage.paths import DataRoots, OutsideDataRoots
+from gpufeed.server.memory.ring import BatchLayout, SlotRing
+from gpufeed.server.serving.order import samples_at, shard_order, split_batches
 
 
 def test_pad_shard_then_shuffle():
@@ -64,9 +64,9 @@ def test_ring_leases_each_slot_once_until_released():
 
 def test_a_stream_refuses_the_release_of_a_batch_not_yet_sent(data_dir, image_names):
     """Leased but unpublished: decode threads may still write it (here: a pool of no threads)."""
-    from gpufeed.server.pool import DecodePool
-    from gpufeed.server.request import Limits, plan_stream
-    from gpufeed.server.stream import Stream
+    from gpufeed.server.serving.pool import DecodePool
+    from gpufeed.server.serving.request import Limits, plan_stream
+    from gpufeed.server.serving.stream import Stream
     from gpufeed.v1 import feed_pb2
 
     roots = DataRoots([str(data_dir)])

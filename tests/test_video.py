@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from clips import encode_video, frame_number
-from gpufeed.server.decode import DecodeError
-from gpufeed.server.video import VideoDecoder, centred_start, random_start
+from gpufeed.server.media.decode import DecodeError
+from gpufeed.server.media.video import VideoDecoder, centred_start, random_start
 
 FRAMES = 40
 OUT_H, OUT_W = 24, 40  # squash to another aspect ratio

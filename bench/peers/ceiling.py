@@ -24,7 +24,7 @@ RESIZES = ("squash", "random_resized_crop", "center_crop")
 
 
 def run(config, meter) -> str:
-    from gpufeed.server.decode import ImageDecoder
+    from gpufeed.server.media.decode import ImageDecoder
 
     paths = config.paths * config.passes
     size = config.batch_size
@@ -57,8 +57,8 @@ def run(config, meter) -> str:
 
 def cpu_ms_per_image(datas: list[bytes], size: tuple[int, int], resize: str) -> float:
     """One thread's CPU ms per image to choose each sample's crop and flip and decode it."""
-    from gpufeed.server.decode import ImageDecoder
-    from gpufeed.server.transform import OutputTransform
+    from gpufeed.server.media.decode import ImageDecoder
+    from gpufeed.server.media.transform import OutputTransform
     from gpufeed.v1 import feed_pb2
 
     spec = feed_pb2.OutputSpec(height=size[0], width=size[1], flip_probability=0.5,
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     if not paths:
         p.error(f"no JPEGs in {args.data}")
     datas = [path.read_bytes() for path in paths]
-    from gpufeed.server import jpeg
+    from gpufeed.server.media import jpeg
     print(jpeg.describe())
     for resize in RESIZES:
         times = [cpu_ms_per_image(datas, (args.size, args.size), resize) for _ in range(args.rounds)]

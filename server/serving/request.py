@@ -27,19 +27,19 @@ import torch
 
 from gpufeed.v1 import feed_pb2
 
-from .arrays import read_arrays
-from .budget import default_memory_bytes, return_free_memory
-from .decode import DecodeError
+from ..media.arrays import read_arrays
+from ..memory.budget import default_memory_bytes, return_free_memory
+from ..media.decode import DecodeError
 from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_labels, \
     list_directory
 from .names import SampleNames, TooManyNames
-from .paths import DataRoots, FileTooLarge, LocatedPaths, OutsideDataRoots
-from .ring import BatchLayout
-from .samples import ARRAYS, IMAGE, VIDEO, ArrayRows, ImageRows, VideoRows, is_sample_file, \
+from ..storage.paths import DataRoots, FileTooLarge, LocatedPaths, OutsideDataRoots
+from ..memory.ring import BatchLayout
+from ..media.samples import ARRAYS, IMAGE, VIDEO, ArrayRows, ImageRows, VideoRows, is_sample_file, \
     sample_kind
-from .shards import ShardRows, ShardSet, locate_shards, names_shards
+from ..storage.shards import ShardRows, ShardSet, locate_shards, names_shards
 from .order import Batches, shard_order, split_batches
-from .transform import OutputTransform
+from ..media.transform import OutputTransform
 from .wire import COMPRESSORS
 
 __all__ = ["Limits", "RequestError", "StreamPlan", "plan_stream"]

@@ -17,7 +17,7 @@ import numpy as np
 
 from .arrays import array_layout, check, read_arrays
 from .decode import DEFAULT_MAX_PIXELS, ImageDecoder
-from .paths import DataRoots
+from ..storage.paths import DataRoots
 from .transform import CLIP, OutputTransform, sample_rng
 from .video import VideoDecoder, centred_start, random_start
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .decode import DecodeError
-from .paths import DEFAULT_MAX_FILE_BYTES
+from ..storage.paths import DEFAULT_MAX_FILE_BYTES
 
 __all__ = ["ArraySpec", "array_layout", "check", "read_arrays"]
 

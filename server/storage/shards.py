@@ -60,10 +60,10 @@ from functools import partial
 
 import numpy as np
 
-from .decode import DecodeError
+from ..media.decode import DecodeError
 from .paths import OutsideDataRoots
-from .storage import is_s3
-from .transform import OutputTransform
+from .roots import is_s3
+from ..media.transform import OutputTransform
 
 __all__ = ["SHUFFLE_BUFFER", "ShardIndex", "ShardRows", "ShardSet", "expand_braces",
            "names_shards"]

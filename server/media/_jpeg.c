@@ -14,7 +14,7 @@
  * release the GIL for all their work.
  *
  * libjpeg's errors and warnings (corrupt or truncated data) longjmp back here
- * and become gpufeed.server._jpeg.Error: a damaged file fails rather than
+ * and become gpufeed.server.media._jpeg.Error: a damaged file fails rather than
  * arriving with grey blocks. A valid JPEG this path does not convert (CMYK,
  * YCCK) raises Unsupported so the caller can take its general path.
  */
@@ -579,8 +579,8 @@ PyMODINIT_FUNC PyInit__jpeg(void)
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;
-    JpegError = PyErr_NewException("gpufeed.server._jpeg.Error", NULL, NULL);
-    Unsupported = PyErr_NewException("gpufeed.server._jpeg.Unsupported", NULL, NULL);
+    JpegError = PyErr_NewException("gpufeed.server.media._jpeg.Error", NULL, NULL);
+    Unsupported = PyErr_NewException("gpufeed.server.media._jpeg.Unsupported", NULL, NULL);
     if (PyModule_AddObject(m, "Error", JpegError) ||
         PyModule_AddObject(m, "Unsupported", Unsupported) ||
         PyModule_AddIntConstant(m, "LIBJPEG_VERSION", JPEG_LIB_VERSION)) {

@@ -25,13 +25,13 @@ import numpy as np
 import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
-from .budget import MemoryBudget, MemoryExhausted
-from .metrics import ServerMetrics, transport_name
-from .paths import DataRoots
+from ..memory.budget import MemoryBudget, MemoryExhausted
+from ..metrics import ServerMetrics, transport_name
+from ..storage.paths import DataRoots
 from .pool import DecodePool
 from .request import Limits, RequestError, StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
-from .shm import ShmNamespace
+from ..memory.shm import ShmNamespace
 from .stream import Batch, Stream, StreamCancelled
 from .watchdog import Watchdog, end_call
 from .wire import InlineBatch
@@ -69,7 +69,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             self.transports += (feed_pb2.TRANSPORT_SHM,)
         self._gpu_uuid = ""
         if device is not None:
-            from .cuda_ipc import gpu_uuid
+            from ..memory.cuda_ipc import gpu_uuid
 
             self.transports += (feed_pb2.TRANSPORT_CUDA_IPC,)
             self._gpu_uuid = gpu_uuid(device)
@@ -154,7 +154,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 segment = self._shm.create(slots_bytes)
                 return segment.buffer, segment, None
             if plan.transport == feed_pb2.TRANSPORT_CUDA_IPC:
-                from .cuda_ipc import DeviceRing
+                from ..memory.cuda_ipc import DeviceRing
 
                 ring = DeviceRing(self._device, plan, self._metrics.stages["device_copy"].observe)
                 return ring.host_buffer(), None, ring

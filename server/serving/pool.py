@@ -16,8 +16,8 @@ import threading
 from collections import deque
 from typing import Protocol
 
-from .decode import DEFAULT_MAX_PIXELS
-from .samples import Decoders
+from ..media.decode import DEFAULT_MAX_PIXELS
+from ..media.samples import Decoders
 
 __all__ = ["DecodePool", "RowTask"]
 

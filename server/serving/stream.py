@@ -23,15 +23,15 @@ import grpc
 import numpy as np
 import torch
 
-from .decode import DecodeError
+from ..media.decode import DecodeError
 from .sources import OwnBatches, SharedJob
-from .metrics import ServerMetrics
+from ..metrics import ServerMetrics
 from .order import samples_at
-from .paths import DataRoots
+from ..storage.paths import DataRoots
 from .pool import DecodePool
 from .request import StreamPlan
-from .ring import SlotRing
-from .samples import Decoders
+from ..memory.ring import SlotRing
+from ..media.samples import Decoders
 
 __all__ = ["Batch", "Stream", "StreamCancelled"]
 
