@@ -6,11 +6,13 @@ import io
 import struct
 import zlib
 
+import grpc
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from gpufeed.client import FeedClient
+from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.process import ServerProcess
 from support import MIN_PSNR_DB, psnr, status_mb
@@ -124,3 +126,36 @@ def test_a_batch_whose_every_sample_failed_is_not_yielded(feed, transport):
     # Resuming after the skipped batch gives the rest of the pass, no more.
     loader.load_state_dict({**state, "epoch": 0, "samples_consumed": 2})
     assert [batch["index"].tolist() for batch in loader] == [[2, 3]]
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_every_rank_yields_len_loader_batches_when_a_whole_batch_fails(feed, data_dir,
+                                                                         transport):
+    """A rank one batch short hangs DDP at the epoch's end: split over ranks, a batch
+    whose every sample failed still goes out, with one row repeating the next sample of
+    the list that decodes (a real sample with its label, marked padded)."""
+    (data_dir / "broken.jpg").write_bytes(b"\xff\xd8 not a jpeg at all")
+    files = ["broken.jpg", "img0000.jpg"]
+    loaders = [feed.loader(files=files, batch_size=1, size=(8, 8), labels=[7, 9], rank=rank,
+                           world_size=2, failure_budget=5, transport=transport)
+               for rank in range(2)]
+    ranks = [[{k: t.clone() for k, t in batch.items()} for batch in loader]
+             for loader in loaders]
+    assert [len(batches) for batches in ranks] == [len(loader) for loader in loaders] == [1, 1]
+    (refill,), (own,) = ranks
+    assert refill["index"].tolist() == [1] and refill["padded"].tolist() == [True]
+    assert refill["label"].tolist() == [9]
+    assert torch.equal(refill["image"], own["image"])  # the same sample, the same pixels
+    assert own["padded"].tolist() == [False]
+    assert [index for index, _ in loaders[0].failures] == [0]  # the failure still listed
+    assert loaders[1].failures == []
+
+
+def test_a_split_with_nothing_to_pad_an_empty_batch_with_ends_with_data_loss(feed):
+    """No sample of the list decodes: no row to stand in, so the pass ends, saying why."""
+    loader = feed.loader(files=["gone0.jpg", "gone1.jpg"], batch_size=1, size=(8, 8),
+                         rank=0, world_size=2, failure_budget=5)
+    with pytest.raises(FeedError) as error:
+        list(loader)
+    assert error.value.code == grpc.StatusCode.DATA_LOSS
+    assert "no sample to pad it with" in str(error.value)

@@ -38,6 +38,10 @@ __all__ = ["Batch", "Stream", "StreamCancelled"]
 _log = logging.getLogger(__name__)
 
 
+# Samples tried for a padding row before a split over ranks gives up on an all-failed
+# batch (Batch._refill): enough for a run of broken files, bounded for a broken data set.
+_REFILL_TRIES = 32
+
 _logged_bugs: set[str] = set()  # exception types whose traceback the log has shown
 
 
@@ -96,8 +100,7 @@ class Batch:
         if not stream.cancelled:
             index = int(self.indices[row])
             try:
-                stream.plan.reader.read_into(stream.roots, stream.plan.paths[index], index,
-                                             self.arrays, row, decoders, stream.metrics.stages)
+                self._read(index, row, decoders)
             except FileNotFoundError:
                 failure = "file not found"
             except PermissionError as e:
@@ -116,7 +119,7 @@ class Batch:
             last = self._pending == 0
         if last:  # every row is written: this thread alone finishes the batch, unlocked
             try:
-                self._finish()
+                self._finish(decoders)
             except Exception as e:  # a bug, or out of memory: end the stream, say why
                 _log.exception("finishing batch %d", self.seq)
                 stream.cancel(grpc.StatusCode.INTERNAL, f"server error finishing batch "
@@ -133,8 +136,49 @@ class Batch:
                 self.done = True
                 self._stream.cond.notify_all()
 
-    def _finish(self) -> None:
-        """Close the gaps failed rows left, fill index/label, run the batch pass on the host."""
+    def _read(self, index: int, row: int, decoders: Decoders) -> None:
+        """Sample ``index`` into row ``row``; raises what reading or decoding it raises."""
+        stream = self._stream
+        stream.plan.reader.read_into(stream.roots, stream.plan.paths[index], index,
+                                     self.arrays, row, decoders, stream.metrics.stages)
+
+    def _refill(self, decoders: Decoders) -> np.ndarray:
+        """The sample index that stands in for a batch whose every sample failed, read into
+        row 0; empty (the stream cancelled with DATA_LOSS) if none of the tries decodes.
+
+        Every rank must yield each of its batches (a rank one batch short hangs DDP at
+        the epoch's end), so such a batch of a split over ranks goes out with one padding
+        row: the first sample after the batch's last in the request's list (wrapping
+        round) that decodes. Like DistributedSampler's padding it is a real sample with
+        its own label, a repeat marked ``padded``, and a pure function of the request
+        and of which files fail. Failures while looking are not listed: each such
+        sample fails (and is counted) in its own batch of some rank.
+        """
+        num_samples = len(self._stream.plan.paths)
+        own = set(self.indices.tolist())
+        after = int(self.indices[-1]) + 1
+        tried = 0
+        for k in range(num_samples):
+            index = (after + k) % num_samples
+            if index in own:
+                continue
+            tried += 1
+            try:
+                self._read(index, 0, decoders)
+                return np.array([index], dtype=np.int64)
+            except Exception:  # reported in its own batch
+                if tried == _REFILL_TRIES:
+                    break
+        self._stream.cancel(
+            grpc.StatusCode.DATA_LOSS,
+            f"batch {self.seq}: every sample failed, and so did the {tried} samples after it "
+            f"in the list; with world_size > 1 every rank must yield the batch, and there is "
+            f"no sample to pad it with")
+        return self.indices[:0]
+
+    def _finish(self, decoders: Decoders) -> None:
+        """Close the gaps failed rows left (a split over ranks refills an empty batch),
+        fill index/label/padded, run the batch pass on the host."""
         plan = self._stream.plan
         ok = np.ones(len(self.indices), dtype=bool)
         for row, _ in self.failures:
@@ -146,16 +190,20 @@ class Batch:
         self.failures = sorted(
             (index, f"{roots.shown(plan.paths[index])}: {why}")
             for index, why in ((int(self.indices[row]), why) for row, why in self.failures))
-        self.rows = rows = int(ok.sum())
-        if rows < len(self.indices):
+        kept, padded = self.indices[ok], self.padded[ok]
+        rows = len(kept)
+        if 0 < rows < len(self.indices):
             for array in self.arrays.values():
                 array[:rows] = array[:len(self.indices)][ok]
-        kept = self.indices[ok]
+        if rows == 0 and "padded" in self.arrays and not self._stream.cancelled:
+            kept = self._refill(decoders)
+            rows, padded = len(kept), np.ones(len(kept), dtype=bool)
+        self.rows = rows
         self.arrays["index"][:rows] = kept
         if plan.labels is not None:
             self.arrays["label"][:rows] = plan.labels[kept]
         if "padded" in self.arrays:
-            self.arrays["padded"][:rows] = self.padded[ok]
+            self.arrays["padded"][:rows] = padded
         if plan.transform and self._stream.finish_on_host and not self._stream.cancelled:
             slot = torch.from_numpy(self._stream.ring.slot(self.slot))
             plan.transform.finish_slot(plan.layout.views(slot), rows)
