@@ -256,8 +256,11 @@ class Loader:
                             f"gave up after {self._reconnect_timeout:g} s without a batch "
                             f"from {server.address}: {details}") from None
         part.server = (part.server + 1) % len(self._servers)
-        _log.warning("stream from %s interrupted (%s); resuming at batch %d on %s",
-                     server.address, details, part.consumed, self._servers[part.server].address)
+        # A stream opened ahead that the trainer left unread past the server's lease
+        # timeout (an evaluation loader while the trainer trains) is routine: quiet.
+        level = logging.INFO if _UNREAD in details else logging.WARNING
+        _log.log(level, "stream from %s interrupted (%s); resuming at batch %d on %s",
+                 server.address, details, part.consumed, self._servers[part.server].address)
         outage.tried += 1
         if outage.tried >= len(self._servers):  # every server tried: wait before the next round
             time.sleep(outage.backoff)
@@ -268,6 +271,10 @@ class Loader:
             self.failures.append((failure.index, failure.reason))
             _log.warning("sample %d skipped: %s", failure.index, failure.reason)
 
+
+# What the server's lease timeout says of a stream whose batches the client never
+# read (server/serving/stream.py, UNREAD).
+_UNREAD = "the trainer has read no batch of this stream"
 
 # How the server's refusal for want of /dev/shm (or device) memory begins
 # (server/serving/service.py, _slot_memory).

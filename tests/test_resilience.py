@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import shutil
@@ -13,6 +14,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.process import ServerProcess
@@ -93,6 +95,32 @@ def test_lease_timeout_ends_an_idle_stream(data_dir, image_names):
     assert received == ["header", "batch", "batch"]  # credits: prefetch 1 + the held one
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "lease timeout" in info.value.details() and "resume from batch 2" in info.value.details()
+
+
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_a_loader_not_iterated_past_the_lease_timeout_is_quiet_and_whole(
+        data_dir, image_names, transport, caplog):
+    """An evaluation loader made before training opens its stream at once; the trainer
+    leaves it unread past the server's lease timeout. That is routine: its pass later
+    gives every batch, equal to a fresh loader's, and neither side warns."""
+    files = image_names[:40]
+    with ServerProcess(["--data-root", str(data_dir), "--lease-timeout", "0.5"]) as server, \
+            FeedClient(server.address) as feed:
+        idle = feed.loader(files=files, batch_size=4, size=(8, 8), prefetch=1,
+                           transport=transport)
+        deadline = time.monotonic() + 30  # the server ends the unread stream within 0.5 s
+        while not any("stream end" in line for line in server.log):
+            assert time.monotonic() < deadline, "".join(server.log)
+            time.sleep(0.05)
+        with caplog.at_level("INFO", logger="gpufeed"):
+            got = [{k: t.clone() for k, t in b.items()} for b in idle]
+        want = list(feed.loader(files=files, batch_size=4, size=(8, 8), copy=True))
+    assert [b["index"].tolist() for b in got] == [b["index"].tolist() for b in want]
+    assert all(torch.equal(g["image"], w["image"]) for g, w in zip(got, want))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("resuming at batch 2" in r.getMessage() for r in caplog.records)  # said, quietly
+    ended = [line for line in server.log if "stream end" in line and "lease timeout" in line]
+    assert ended and all(" INFO " in line for line in ended), ended
 
 
 def test_failure_budget_ends_the_stream_with_examples(feed, data_dir, image_names):

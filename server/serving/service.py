@@ -32,7 +32,7 @@ from .pool import DecodePool
 from .request import Limits, RequestError, StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
 from ..memory.shm import ShmNamespace
-from .stream import Batch, Stream, StreamCancelled
+from .stream import UNREAD, Batch, Stream, StreamCancelled
 from .watchdog import Watchdog, end_call
 from .wire import InlineBatch
 
@@ -310,7 +310,10 @@ class _StreamLog:
         self.failures += len(batch.failures)
 
     def ended(self) -> None:
-        level = logging.INFO if self.status.startswith(("OK", "CANCELLED")) else logging.WARNING
+        # A stream its client never read (a loader not iterated yet) ending at the lease
+        # timeout is routine: the client reopens it when the trainer gets to it.
+        routine = self.status.startswith(("OK", "CANCELLED")) or UNREAD in self.status
+        level = logging.INFO if routine else logging.WARNING
         _log.log(level, "stream end: peer=%s transport=%s samples=%d batches=%d failures=%d "
                  "duration=%.3fs status=%s", self._peer, self._transport, self.samples,
                  self.batches, self.failures, time.monotonic() - self._started, self.status)

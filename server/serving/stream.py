@@ -33,10 +33,15 @@ from .request import StreamPlan
 from ..memory.ring import SlotRing
 from ..media.samples import Decoders
 
-__all__ = ["Batch", "Stream", "StreamCancelled"]
+__all__ = ["UNREAD", "Batch", "Stream", "StreamCancelled"]
 
 _log = logging.getLogger(__name__)
 
+
+# What a lease timeout's message says when the client has read no batch of the stream
+# at all (a loader opened ahead that the trainer has not iterated yet): nothing is
+# wrong, the client reopens at its position quietly and the server logs it at info.
+UNREAD = "the trainer has read no batch of this stream"
 
 # Samples tried for a padding row before a split over ranks gives up on an all-failed
 # batch (Batch._refill): enough for a run of broken files, bounded for a broken data set.
@@ -227,6 +232,7 @@ class Stream:
         self.client_gone = False
         self._ending = StreamCancelled()
         self._last_release = time.monotonic()
+        self._read_any = False  # a Release came: the client reads the stream's batches
         self._pool = pool
         self._batches: dict[int, Batch] = {}
         self._next_seq = plan.start_batch  # the seq the next batch started will get
@@ -242,6 +248,7 @@ class Stream:
         Raises KeyError for a seq that holds no slot (a confused client).
         """
         with self.cond:
+            self._read_any = True  # the client sends one (perhaps empty) per batch it reads
             for seq in seqs:
                 if seq >= self._next_out:  # leased, but not sent: decode threads may be writing
                     raise KeyError(seq)
@@ -331,11 +338,11 @@ class Stream:
             if batch is None and not self.ring.free_slots():  # the trainer must release one
                 idle = time.monotonic() - self._last_release
                 if idle >= self.plan.lease_timeout:
+                    what = "the trainer released no batch" if self._read_any else UNREAD
                     raise StreamCancelled(
                         grpc.StatusCode.UNAVAILABLE,
-                        f"lease timeout: the trainer released no batch for "
-                        f"{self.plan.lease_timeout:g} s (server's --lease-timeout); "
-                        f"resume from batch {seq}")
+                        f"lease timeout: {what} for {self.plan.lease_timeout:g} s "
+                        f"(server's --lease-timeout); resume from batch {seq}")
                 timeout = self.plan.lease_timeout - idle
             self.cond.wait(timeout)
 
