@@ -10,8 +10,9 @@ import grpc
 
 from gpufeed.v1 import feed_pb2
 
-from .loader import Loader
 from .connection import Connection
+from .errors import FeedError
+from .loader import Loader
 
 __all__ = ["FeedClient"]
 
@@ -178,4 +179,16 @@ class FeedClient:
             request.list_file = os.fspath(files)
         else:
             request.files.paths.extend(os.fspath(f) for f in files)
-        return Loader(self.servers, request, copy=copy, reconnect_timeout=reconnect_timeout)
+        try:
+            return Loader(self.servers, request, copy=copy, reconnect_timeout=reconnect_timeout)
+        except FeedError as e:
+            raise _in_loader_terms(e) from None
+
+
+def _in_loader_terms(error: FeedError) -> FeedError:
+    """The server's refusal, naming the loader's argument where its field differs: a path
+    given as ``files`` travels as the request's ``list_file``."""
+    message = str(error).removeprefix(f"{error.code.name}: ")
+    if message.startswith("list_file: "):
+        return FeedError(error.code, "files (list_file): " + message.removeprefix("list_file: "))
+    return error

@@ -45,6 +45,19 @@ def test_a_refused_request_fails_when_the_loader_is_made(feed, image_names):
     assert info.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_refusals_name_the_loaders_arguments(feed, image_names):
+    """A trainer reads the message against its own call: a missing size says it is
+    required, and a missing directory named as files= says files."""
+    with pytest.raises(FeedError) as info:
+        feed.loader(files=image_names[:4], batch_size=4)
+    assert "size is required for images" in str(info.value)
+    with pytest.raises(FeedError) as info:
+        feed.loader(files="no-such-dir/", batch_size=4, size=8)
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    assert str(info.value).startswith("NOT_FOUND: files (list_file): 'no-such-dir/'")
+    assert "no such list file or directory" in str(info.value)
+
+
 def test_classes_are_known_before_the_first_batch(feed, data_dir, image_names):
     root = data_dir / "pets"
     for k, name in enumerate(["cat", "dog", "cat"]):

@@ -239,6 +239,10 @@ def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limit
 def _pixels(req: feed_pb2.StreamRequest, kind: str) -> tuple[OutputTransform, object]:
     """The output transform and row reader of an image or video stream."""
     height, width = req.output.height, req.output.width
+    if height == width == 0:
+        raise _invalid("output: size is required for images and video: give the output's "
+                       "(height, width), one int for a square (size=224); only array files "
+                       "take none, got (0, 0)")
     if not (0 < height <= _MAX_SIDE and 0 < width <= _MAX_SIDE):
         raise _invalid(f"output: size must be within 1..{_MAX_SIDE} on each side, "
                        f"got ({height}, {width})")
@@ -372,7 +376,8 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits
         raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"list_file: {e}") from None
     except (FileNotFoundError, IsADirectoryError):
         raise RequestError(grpc.StatusCode.NOT_FOUND,
-                           f"list_file: {req.list_file!r} not found under the data roots") from None
+                           f"list_file: {req.list_file!r}: no such list file or directory "
+                           f"under the data roots") from None
     except FileTooLarge as e:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"list_file: {req.list_file!r} is a {e}") from None
