@@ -45,12 +45,18 @@ class _LinkMeter:
             self.end = (time.perf_counter(), self._link.server_tx_bytes(), self._meter.images)
 
     def figures(self) -> tuple[str, dict]:
+        """(note, extra fields) of the row: the link's rates over the measured window;
+        only the link's name when a short run has no window (as the meter's own
+        figures: fewer batches than the warm-up)."""
+        link = self._link
+        extra = {"link": link.rate or "veth, unshaped"}
+        if self.start is None or self.end is None:
+            return (f"{extra['link']}: no link figures, {self._batches} batches is no more "
+                    f"than the warm-up of {self._meter.warmup}"), extra
         (t0, tx0, n0), (t1, tx1, n1) = self.start, self.end
         seconds = max(t1 - t0, 1e-9)
-        link = self._link
-        extra = {"link": link.rate or "veth, unshaped",
-                 "link_bytes_per_second": (tx1 - tx0) / seconds,
-                 "image_bytes_per_second": (n1 - n0) * self._image_bytes / seconds}
+        extra.update(link_bytes_per_second=(tx1 - tx0) / seconds,
+                     image_bytes_per_second=(n1 - n0) * self._image_bytes / seconds)
         note = f"{extra['link']}: {extra['link_bytes_per_second'] / 1e6:.0f} MB/s on the wire"
         if link.rate:
             extra["link_utilisation"] = 8 * extra["link_bytes_per_second"] / link.rate_bits
