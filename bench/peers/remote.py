@@ -51,8 +51,8 @@ class _LinkMeter:
         link = self._link
         extra = {"link": link.rate or "veth, unshaped"}
         if self.start is None or self.end is None:
-            return (f"{extra['link']}: no link figures, {self._batches} batches is no more "
-                    f"than the warm-up of {self._meter.warmup}"), extra
+            return (f"{extra['link']}: no link figures, {self._batches} batches, fewer than "
+                    f"the warm-up of {self._meter.warmup}"), extra
         (t0, tx0, n0), (t1, tx1, n1) = self.start, self.end
         seconds = max(t1 - t0, 1e-9)
         extra.update(link_bytes_per_second=(tx1 - tx0) / seconds,
