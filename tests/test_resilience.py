@@ -19,7 +19,7 @@ import torch
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
-from support import shm_prefix, stream_segments
+from support import shm_prefix, stream_segments, wait_until
 
 
 def _indices(loader) -> list[int]:
@@ -108,10 +108,9 @@ def test_a_loader_not_iterated_past_the_lease_timeout_is_quiet_and_whole(
             FeedClient(server.address) as feed:
         idle = feed.loader(files=files, batch_size=4, size=(8, 8), prefetch=1,
                            transport=transport)
-        deadline = time.monotonic() + 30  # the server ends the unread stream within 0.5 s
-        while not any("stream end" in line for line in server.log):
-            assert time.monotonic() < deadline, "".join(server.log)
-            time.sleep(0.05)
+        # The server ends the unread stream 0.5 s after it fills its slots.
+        assert wait_until(lambda: any("stream end" in line for line in server.log), 30), \
+            "".join(server.log)
         with caplog.at_level("INFO", logger="gpufeed"):
             got = [{k: t.clone() for k, t in b.items()} for b in idle]
         want = list(feed.loader(files=files, batch_size=4, size=(8, 8), copy=True))
