@@ -14,6 +14,7 @@ Needs grpcio, protobuf, numpy and torch only (no PyAV, no prometheus-client).
 
 from .errors import FeedError
 from .feed import FeedClient
+from .fields import Field, metadata, split
 from .loader import Loader
 
-__all__ = ["FeedClient", "FeedError", "Loader"]
+__all__ = ["FeedClient", "FeedError", "Field", "Loader", "metadata", "split"]

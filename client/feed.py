@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 
@@ -12,6 +12,7 @@ from gpufeed.v1 import feed_pb2
 
 from .connection import Connection
 from .errors import FeedError
+from .fields import Field, field_specs
 from .loader import Loader
 
 __all__ = ["FeedClient"]
@@ -102,7 +103,8 @@ class FeedClient:
                clip: tuple[int, int] | None = None, random_clip: bool = False,
                transport: str = "auto", prefetch: int = 0, copy: bool = False,
                failure_budget: int | float = 0, reconnect_timeout: float = 30.0,
-               job: str = "", compression: str = "") -> Loader:
+               job: str = "", compression: str = "",
+               fields: Mapping[str, Field | str] | Sequence[str] | None = None) -> Loader:
         """A loader over ``files``: a list of paths, or the path of a list file on the server
         (``str`` or ``pathlib.Path`` alike). A ``Path`` prefix is a directory: its
         files are ``prefix / name``; a ``str`` prefix is prepended as it is.
@@ -142,6 +144,9 @@ class FeedClient:
         unavailable (0: never); one that never answered fails at once.
         ``job``: share one pass with every loader naming the same job (one
         server only; see gpufeed/server/serving/sources.py for what that keeps and loses).
+        ``fields``: a sample's fields beside its image, each from a sidecar file:
+        names (``["mask", "boxes", "meta"]``, default sidecars) or a dict of name to
+        a ``Field`` or a suffix; each is a tensor of the batch (fields.py, README).
 
         The first stream is opened here: a refused request raises FeedError
         now, and ``loader.classes`` and ``len(loader)`` are known.
@@ -167,7 +172,7 @@ class FeedClient:
             if clip else None,
             drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank,
             world_size=world_size, transport=_TRANSPORTS[transport], prefetch=prefetch, job=job,
-            compression=compression)
+            compression=compression, fields=field_specs(fields))
         if isinstance(failure_budget, float) and 0 < failure_budget < 1:
             request.max_failure_fraction = failure_budget
         elif isinstance(failure_budget, int) and failure_budget >= 0:

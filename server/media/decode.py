@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
 
 import av
 import numpy as np
@@ -53,7 +55,7 @@ from .containers import HEAD_BYTES, IMAGE_FORMATS, image_format, open_container
 from .headers import declared_size
 from .transform import Box, CropRule
 
-__all__ = ["DecodeError", "ImageDecoder", "RgbScaler"]
+__all__ = ["DecodeError", "ImageDecoder", "Placed", "RgbScaler", "decode_frame"]
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
 # swscale's planar GBR: plane 0 is green, 1 blue, 2 red; these are their rows in RGB order.
@@ -64,6 +66,14 @@ _SCALER = Interpolation.BILINEAR
 
 class DecodeError(Exception):
     """A sample that could not be decoded; the message says why, briefly."""
+
+
+class Placed(NamedTuple):
+    """Where a decoded image's row came from: the source's size and the box resized."""
+
+    src_h: int
+    src_w: int
+    box: Box
 
 
 class RgbScaler:
@@ -123,11 +133,14 @@ class ImageDecoder:
         self._max_pixels = max_pixels
 
     def decode_into(self, data: bytes, out: np.ndarray, crop: CropRule | None = None,
-                    flip: bool = False) -> None:
+                    flip: bool = False) -> Placed:
         """Decode ``data`` and write its window ``crop(source height, source width)``,
         resized (bilinear), into ``out`` of shape [3, H, W]; without ``crop``, the whole
         image (squashed to H x W). Mirrored left to right if ``flip``: every path
-        flips while it writes the row, so a flip costs no pass of its own."""
+        flips while it writes the row, so a flip costs no pass of its own.
+
+        Returns the source's size and the box it used, for a sample's other
+        fields (fields.py) to follow the same crop."""
         if not data:
             raise DecodeError("empty file")
         declared = declared_size(data)
@@ -136,10 +149,10 @@ class ImageDecoder:
         is_jpeg = data.startswith(_JPEG_MAGIC)
         if is_jpeg and declared is not None and jpeg.takes(data):
             src_w, src_h = declared
+            box = crop(src_h, src_w) if crop else (0, 0, src_h, src_w)
             try:
-                jpeg.decode_crop(data, out, crop(src_h, src_w) if crop else (0, 0, src_h, src_w),
-                                 flip)
-                return
+                jpeg.decode_crop(data, out, box, flip)
+                return Placed(src_h, src_w, box)
             except jpeg.Unsupported:
                 pass  # CMYK / YCCK: FFmpeg converts those
             except jpeg.JpegError as e:
@@ -147,9 +160,10 @@ class ImageDecoder:
         try:
             frame = self._decode_jpeg(data) if is_jpeg else _decode_other(data, self._check_size)
             box = crop(frame.height, frame.width) if crop else None
+            placed = Placed(frame.height, frame.width, box or (0, 0, frame.height, frame.width))
             if box is not None and jpeg.AVAILABLE:
                 jpeg.resize_rgb(self._rgb.packed(frame), out, box, flip)
-                return
+                return placed
             _, height, width = out.shape
             scaled_h, scaled_w, top, left = (
                 _placement(box, frame.height, frame.width, height, width) if box is not None
@@ -159,11 +173,10 @@ class ImageDecoder:
         except av.FFmpegError as e:
             raise DecodeError(f"not a decodable image: {e}") from None
         self._rgb.copy(rgb, out, top, left, flip)
+        return placed
 
     def _check_size(self, width: int, height: int, what: str = "image declares") -> None:
-        if width * height > self._max_pixels:
-            raise DecodeError(f"{what} {width}x{height} pixels, over the limit of "
-                              f"{self._max_pixels} (gpufeed-server --max-pixels)")
+        _check_pixels(width, height, self._max_pixels, what)
 
     def _decode_jpeg(self, data: bytes) -> av.VideoFrame:
         frames = self._jpeg.decode(av.Packet(data))
@@ -182,6 +195,26 @@ def _placement(box: Box, src_h: int, src_w: int, out_h: int, out_w: int
     scaled_h, scaled_w = max(out_h, round(src_h * sy)), max(out_w, round(src_w * sx))
     return (scaled_h, scaled_w, min(round(top * sy), scaled_h - out_h),
             min(round(left * sx), scaled_w - out_w))
+
+
+def _check_pixels(width: int, height: int, max_pixels: int, what: str = "image declares"
+                  ) -> None:
+    if width * height > max_pixels:
+        raise DecodeError(f"{what} {width}x{height} pixels, over the limit of "
+                          f"{max_pixels} (gpufeed-server --max-pixels)")
+
+
+def decode_frame(data: bytes, max_pixels: int) -> av.VideoFrame:
+    """A JPEG-less image's first frame in its own pixel format (a mask's class ids stay
+    indices), its declared size checked against ``max_pixels`` before decoding."""
+    check_size = partial(_check_pixels, max_pixels=max_pixels)
+    declared = declared_size(data)
+    if declared is not None:
+        check_size(*declared)
+    try:
+        return _decode_other(data, check_size)
+    except av.FFmpegError as e:
+        raise DecodeError(f"not a decodable image: {e}") from None
 
 
 def _decode_other(data: bytes, check_size: Callable[[int, int], None]) -> av.VideoFrame:

@@ -17,6 +17,7 @@ import numpy as np
 
 from .arrays import array_layout, check, read_arrays
 from .decode import DEFAULT_MAX_PIXELS, ImageDecoder
+from .fields import SampleFields
 from ..storage.paths import DataRoots
 from .transform import CLIP, OutputTransform, sample_rng
 from .video import VideoDecoder, centred_start, random_start
@@ -66,28 +67,36 @@ class Decoders:
 
     def __init__(self, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
         self.image = ImageDecoder(max_pixels)
-        self._max_pixels = max_pixels
+        self.max_pixels = max_pixels
         self._video: VideoDecoder | None = None
 
     @property
     def video(self) -> VideoDecoder:
         if self._video is None:
-            self._video = VideoDecoder(max_pixels=self._max_pixels)
+            self._video = VideoDecoder(max_pixels=self.max_pixels)
         return self._video
 
 
 class ImageRows:
-    def __init__(self, transform: OutputTransform):
+    """Images, and the fields declared beside them (fields.py), into their rows."""
+
+    def __init__(self, transform: OutputTransform, fields: SampleFields | None = None):
         self.transform = transform
+        self.fields = fields
 
     def read_into(self, roots: DataRoots, path: str, index: int, arrays: dict, row: int,
                   decoders: Decoders, stages) -> None:
         crop, flip = self.transform.choose(index)
         with stages["read"].time():
             data = roots.read(path)
+        image = arrays.get("decoded", arrays["image"])[row]
         with stages["decode"].time():  # the decoder flips; the batch pass does not
-            decoders.image.decode_into(data, arrays.get("decoded", arrays["image"])[row], crop,
-                                       flip)
+            placed = decoders.image.decode_into(data, image, crop, flip)
+            if self.fields is not None:
+                # The sample after crop and flip: where a per-sample transform would run.
+                sample = {"image": image, **self.fields.read(roots, path, placed, flip,
+                                                               decoders.max_pixels)}
+                self.fields.write(sample, arrays, row)
 
 
 class VideoRows:

@@ -46,17 +46,21 @@ class BatchLayout:
 
     ``arrays`` are (name, dtype, per-sample shape[, wire dtype]); those named in
     ``private`` are the server's working space (say, uint8 pixels before a
-    float conversion) and are not sent.
+    float conversion) and are not sent. Those named in ``offsets`` have
+    batch_size + 1 rows: the offsets of a variable-length field (fields.py).
     """
 
-    def __init__(self, batch_size: int, arrays: list[tuple], private: tuple[str, ...] = ()):
+    def __init__(self, batch_size: int, arrays: list[tuple], private: tuple[str, ...] = (),
+                 offsets: tuple[str, ...] = ()):
         self.batch_size = batch_size
         self.places: list[TensorPlace] = []
+        self._rows = {name: batch_size + 1 for name in offsets}
         offset = 0
         for name, dtype, shape, *wire in arrays:
             dtype = np.dtype(dtype)
             self.places.append(TensorPlace(name, dtype, tuple(shape), offset, *wire))
-            offset += _align(batch_size * dtype.itemsize * int(np.prod(shape)))
+            rows = self._rows.get(name, batch_size)
+            offset += _align(rows * dtype.itemsize * int(np.prod(shape)))
         self.tensors = [t for t in self.places if t.name not in private]
         self.slot_bytes = offset
 
@@ -64,10 +68,11 @@ class BatchLayout:
         """Full-batch arrays over one slot's bytes (a uint8 array or tensor), by name."""
         out = {}
         for t in self.places:
-            count = self.batch_size * int(np.prod(t.sample_shape))
+            rows = self._rows.get(t.name, self.batch_size)
+            count = rows * int(np.prod(t.sample_shape))
             flat = slot[t.offset:t.offset + count * t.dtype.itemsize]
             flat = flat.view(t.dtype if isinstance(slot, np.ndarray) else _torch_dtype(t.dtype))
-            out[t.name] = flat.reshape((self.batch_size, *t.sample_shape))
+            out[t.name] = flat.reshape((rows, *t.sample_shape))
         return out
 
 

@@ -30,6 +30,7 @@ from gpufeed.v1 import feed_pb2
 from ..media.arrays import read_arrays
 from ..memory.budget import default_memory_bytes, return_free_memory
 from ..media.decode import DecodeError
+from ..media.fields import MASK, FieldError, SampleFields
 from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_labels, \
     list_directory
 from .names import SampleNames, TooManyNames
@@ -97,6 +98,8 @@ class StreamPlan:
     # Inline only: the request's compression ("" for none) and its compressor.
     compression: str = ""
     compress: Callable[[list[memoryview]], list[bytes]] | None = None
+    # The request's fields beside the image (fields.py); None when it declares none.
+    fields: SampleFields | None = None
 
     @property
     def num_slots(self) -> int:
@@ -146,21 +149,24 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     # not depend on whether world_size happens to divide the data set.
     extra = _own_arrays(labels is not None or bool(shards and shards.has_labels),
                         padded=world_size > 1)
+    fields = _fields(req, kind, bool(shards))
     if kind == ARRAYS:
         transform = None
         reader = ArrayRows(_first_arrays(paths[0], names[0], roots))
         layout = _array_layout(req.batch_size, reader, extra)
     else:
-        transform, reader = _pixels(req, kind)
+        transform, reader = _pixels(req, kind, fields)
         if shards:
             reader = ShardRows(transform, shards)
             paths = reader.paths
-        layout = _image_layout(req.batch_size, transform, extra)
+        layout = _image_layout(req.batch_size, transform, extra, fields)
 
     prefetch = req.prefetch or limits.default_prefetch
     if not 0 < prefetch <= limits.max_prefetch:
         raise _invalid(f"prefetch must be in 1..{limits.max_prefetch} (the server's "
                        f"--max-prefetch), got {prefetch}")
+    if layout.slot_bytes > limits.max_batch_bytes and fields is not None:
+        _check_field_bytes(req.batch_size, fields, layout.slot_bytes, limits.max_batch_bytes)
     if layout.slot_bytes > limits.max_batch_bytes:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"batch_size x output: a batch takes {layout.slot_bytes} bytes, over "
@@ -192,7 +198,7 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                       prefetch=prefetch,
                       max_failures=_failure_budget(req, batches.samples_from(0), limits),
                       lease_timeout=limits.lease_timeout, compression=compression,
-                      compress=compress)
+                      compress=compress, fields=fields)
     if plan.nbytes >= _TRIM_AFTER_BYTES:
         weakref.finalize(plan, return_free_memory)
     return plan
@@ -236,7 +242,35 @@ def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limit
     return max(count, int(fraction * num_samples))
 
 
-def _pixels(req: feed_pb2.StreamRequest, kind: str) -> tuple[OutputTransform, object]:
+def _fields(req: feed_pb2.StreamRequest, kind: str, shards: bool) -> SampleFields | None:
+    """The request's fields, checked; None when it declares none."""
+    if not req.fields:
+        return None
+    if kind != IMAGE:
+        raise _invalid(f"fields: only image samples take fields; these are "
+                       f"{'video clips' if kind == VIDEO else 'array files'}")
+    if shards:
+        raise _invalid("fields: tar shards do not carry fields yet; give loose files")
+    try:
+        return SampleFields(req.fields, req.output.height, req.output.width)
+    except FieldError as e:
+        raise _invalid(str(e)) from None
+
+
+def _check_field_bytes(batch_size: int, fields: SampleFields, slot_bytes: int,
+                       limit: int) -> None:
+    """Name the field whose room takes most of a batch over --max-batch-bytes."""
+    arrays, _, _ = fields.arrays()
+    name, dtype, shape = max(arrays, key=lambda a: np.dtype(a[1]).itemsize * int(np.prod(a[2])))
+    share = batch_size * np.dtype(dtype).itemsize * int(np.prod(shape))
+    at = fields.declared_at(name)
+    what = f"{at}.max_items" if name != MASK else f"{at} (the mask, output size)"
+    raise _invalid(f"{what}: {name} takes {share} bytes of a batch of {slot_bytes}, over the "
+                   f"server's --max-batch-bytes of {limit}; lower it or batch_size")
+
+
+def _pixels(req: feed_pb2.StreamRequest, kind: str, fields: SampleFields | None = None
+            ) -> tuple[OutputTransform, object]:
     """The output transform and row reader of an image or video stream."""
     height, width = req.output.height, req.output.width
     if height == width == 0:
@@ -265,7 +299,7 @@ def _pixels(req: feed_pb2.StreamRequest, kind: str) -> tuple[OutputTransform, ob
         raise _invalid(str(e)) from None
     if kind == VIDEO:
         return transform, VideoRows(transform, clip.frames, clip.stride or 1, clip.random_start)
-    return transform, ImageRows(transform)
+    return transform, ImageRows(transform, fields)
 
 
 def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarray]:
@@ -306,16 +340,23 @@ def _array_layout(batch_size: int, reader: ArrayRows, own: list[tuple]) -> Batch
     return BatchLayout(batch_size, arrays + own)
 
 
-def _image_layout(batch_size: int, transform: OutputTransform, own: list[tuple]) -> BatchLayout:
-    """image (as asked), index, label, padded; uint8 pixels and flips as working space."""
+def _image_layout(batch_size: int, transform: OutputTransform, own: list[tuple],
+                  fields: SampleFields | None = None) -> BatchLayout:
+    """image (as asked), index, label, padded, the fields; uint8 pixels and flips as
+    working space."""
     wire = "bfloat16" if transform.dtype == torch.bfloat16 else ""
     arrays = [("image", transform.image_dtype, transform.image_shape, wire), *own]
     private = ["flip"]
+    offsets: tuple[str, ...] = ()
+    if fields is not None:
+        field_arrays, field_private, offsets = fields.arrays()
+        arrays += field_arrays
+        private += field_private
     arrays.append(("flip", np.bool_, ()))
     if transform.converts:
         arrays.append(("decoded", np.uint8, transform.decoded_shape))
         private.append("decoded")
-    return BatchLayout(batch_size, arrays, tuple(private))
+    return BatchLayout(batch_size, arrays, tuple(private), offsets)
 
 
 def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: list[int] | None,

@@ -332,7 +332,7 @@ def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.ServerMessage | I
     inline = plan.transport == feed_pb2.TRANSPORT_INLINE
     chunks, offset = [], 0
     for place in plan.layout.tensors:
-        array = batch.arrays[place.name][:batch.rows]
+        array = batch.sent(place.name)
         message.tensors.add(name=place.name, dtype=place.wire_dtype or place.dtype.name, shape=array.shape,
                             offset=offset if inline else place.offset)
         if inline and array.nbytes:

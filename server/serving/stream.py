@@ -93,6 +93,8 @@ class Batch:
         self.arrays = stream.plan.layout.views(stream.ring.slot(slot))
         self.failures: list[tuple[int, str]] = []
         self.rows = len(indices)
+        # Variable-length fields, packed: entries sent of each (fields.py), by name.
+        self.lengths: dict[str, int] = {}
         self._stream = stream
         self._pending = len(indices)
         self.done = False
@@ -132,6 +134,15 @@ class Batch:
             with stream.cond:
                 self.done = True
                 stream.cond.notify_all()
+
+    def sent(self, name: str) -> np.ndarray:
+        """The array ``name`` as sent: its first ``rows`` rows, or, for a packed
+        variable-length field and its offsets, its first entries."""
+        array = self.arrays[name]
+        length = self.lengths.get(name)
+        if length is None:
+            return array[:self.rows]
+        return array.reshape(-1, *array.shape[2:])[:length]
 
     def skip_row(self, row: int) -> None:
         """Count a row of a cancelled stream as done without decoding it."""
@@ -209,6 +220,8 @@ class Batch:
             self.arrays["label"][:rows] = plan.labels[kept]
         if "padded" in self.arrays:
             self.arrays["padded"][:rows] = padded
+        if plan.fields is not None:
+            self.lengths = plan.fields.pack(self.arrays, rows)
         if plan.transform and self._stream.finish_on_host and not self._stream.cancelled:
             slot = torch.from_numpy(self._stream.ring.slot(self.slot))
             plan.transform.finish_slot(plan.layout.views(slot), rows)

@@ -1,0 +1,70 @@
+"""A sample's fields beside its image: declaring them, and splitting them per sample.
+
+``loader(..., fields=...)`` asks the server for a mask, boxes and metadata per
+sample, each from a sidecar file (README, "Samples with several fields").
+Each field is a tensor of the batch; the variable-length ones are flat with
+offsets (``boxes`` float32 [N, 5] and ``boxes_offsets`` int64 [B + 1];
+``meta`` uint8 [M] and ``meta_offsets``), which ``split`` and ``metadata``
+turn into one entry per sample.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpufeed.v1 import feed_pb2
+
+__all__ = ["Field", "field_specs", "metadata", "split"]
+
+
+@dataclass(frozen=True)
+class Field:
+    """Where a field's sidecar is and how much room it gets.
+
+    ``suffix`` replaces the sample's own (empty: ".png" for a mask, ".txt" for
+    boxes, ".json" for meta); ``tree=("images", "masks")`` looks in a parallel
+    tree (the last directory named "images" in the sample's path, below its
+    data root, renamed "masks"); ``max_items`` is the most boxes, or bytes of
+    metadata, a sample may have (0: the server's default, 256 boxes or 4096 bytes).
+    """
+
+    suffix: str = ""
+    tree: tuple[str, str] | None = None
+    max_items: int = 0
+
+
+def field_specs(fields: Mapping[str, Field | str] | Sequence[str] | None
+                ) -> list[feed_pb2.FieldSpec]:
+    """The request's FieldSpecs: from names (every default), or a mapping of name to a
+    Field or a suffix."""
+    if fields is None:
+        return []
+    if isinstance(fields, str):
+        raise TypeError(f"fields must be a list of names or a dict, got the string {fields!r}")
+    items = fields.items() if isinstance(fields, Mapping) else ((name, Field()) for name in fields)
+    specs = []
+    for name, field in items:
+        if isinstance(field, str):
+            field = Field(suffix=field)
+        tree_from, tree_to = field.tree or ("", "")
+        specs.append(feed_pb2.FieldSpec(name=name, suffix=field.suffix, tree_from=tree_from,
+                                        tree_to=tree_to, max_items=field.max_items))
+    return specs
+
+
+def split(batch: Mapping[str, torch.Tensor], name: str) -> list[torch.Tensor]:
+    """A variable-length field per sample: ``batch[name]`` cut at ``batch[name + "_offsets"]``
+    (views, one per row of the batch)."""
+    offsets = batch[f"{name}_offsets"].tolist()
+    flat = batch[name]
+    return [flat[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
+
+
+def metadata(batch: Mapping[str, torch.Tensor]) -> list[Any]:
+    """Each sample's ``meta`` sidecar, parsed from its JSON."""
+    return [json.loads(bytes(values.cpu().numpy())) for values in split(batch, "meta")]

@@ -1,0 +1,207 @@
+"""Samples with several fields: an image with its mask, boxes and metadata, through the server.
+
+The reference for each sample recomputes its crop box with the server's own
+function from (seed, epoch, index), as tests/test_crops.py does, then crops
+the mask with Pillow (NEAREST resize on that box) and moves the boxes with
+plain torch arithmetic.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from gpufeed.client import FeedError, Field, metadata, split
+from gpufeed.server.demo import synthetic_photo
+from gpufeed.server.media.transform import OutputTransform, sample_rng
+from gpufeed.v1 import feed_pb2
+from support import psnr
+
+SIZE = (40, 48)
+SEED, EPOCH = 5, 1
+NUM = 12
+FIELDS = {"mask": Field(".png", tree=("images", "masks")),
+          "boxes": Field(".txt", tree=("images", "labels"), max_items=8),
+          "meta": ".json"}
+
+
+def _write_sample(root, name: str, rng, palette: bool = False) -> None:
+    """An image, a mask whose class-id rectangles are exactly its boxes, the boxes as a
+    txt sidecar in labels/, and JSON metadata beside the image."""
+    height, width = int(rng.integers(90, 260)), int(rng.integers(90, 260))
+    pixels = synthetic_photo(rng, height, width)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=92)
+    (root / "images" / "train" / f"{name}.jpg").write_bytes(out.getvalue())
+    mask = Image.new("P" if palette else "L", (width, height), 0)
+    if palette:
+        mask.putpalette([v for c in range(256) for v in (c, 255 - c, c // 2)])
+    draw = ImageDraw.Draw(mask)
+    boxes = []
+    for k in range(int(rng.integers(1, 6))):  # side by side, never overlapping
+        x0 = k * width // 5 + int(rng.integers(0, 5))
+        x1 = x0 + int(rng.integers(width // 10, width // 5 - 4))
+        y0 = int(rng.integers(0, height // 2))
+        y1 = int(rng.integers(y0 + 20, height))
+        cls = int(rng.integers(1, 20))
+        draw.rectangle((x0, y0, x1 - 1, y1 - 1), fill=cls)  # pixels x0..x1-1: box x0..x1
+        boxes.append((x0, y0, x1, y1, cls))
+    mask.save(root / "masks" / "train" / f"{name}.png")
+    (root / "labels" / "train" / f"{name}.txt").write_text(
+        "# x0 y0 x1 y1 class\n" + "".join(" ".join(map(str, b)) + "\n" for b in boxes))
+    (root / "images" / "train" / f"{name}.json").write_text(
+        json.dumps({"name": name, "boxes": len(boxes), "caption": "café"}))
+
+
+def _tree(root, names, rng) -> None:
+    for part in ("images", "masks", "labels"):
+        (root / part / "train").mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(names):
+        _write_sample(root, name, rng, palette=i % 4 == 3)
+
+
+@pytest.fixture(scope="module")
+def field_root(data_dir):
+    root = data_dir / "fields"
+    _tree(root, [f"s{i:02d}" for i in range(NUM)], np.random.default_rng(7))
+    return root
+
+
+def _reference(root, name: str, box, flip: bool):
+    """Pillow's nearest crop of the mask on ``box``; the boxes moved in torch."""
+    top, left, h, w = box
+    with Image.open(root / "masks" / "train" / f"{name}.png") as mask:
+        ref = mask.resize(SIZE[::-1], Image.NEAREST, box=(left, top, left + w, top + h))
+    if flip:
+        ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
+    lines = (root / "labels" / "train" / f"{name}.txt").read_text().splitlines()[1:]
+    source = torch.tensor([[float(v) for v in line.split()] for line in lines], dtype=torch.float64)
+    height, width = SIZE
+    boxes = source.clone()
+    boxes[:, [0, 2]] = ((source[:, [0, 2]] - left) * width / w).clamp(0, width)
+    boxes[:, [1, 3]] = ((source[:, [1, 3]] - top) * height / h).clamp(0, height)
+    inside = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+    if flip:
+        boxes[:, [0, 2]] = width - boxes[:, [2, 0]]
+    return np.asarray(ref), boxes[inside], len(source) - int(inside.sum()), source
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_mask_and_boxes_follow_the_flipped_random_crop(feed, data_dir, field_root, transport):
+    """Every sample once; its mask equals Pillow's nearest crop of the same box (flipped
+    alike), its boxes equal the reference arithmetic, and each kept box still sits on
+    mask pixels of its class: image, mask and boxes moved together."""
+    loader = feed.loader(files="fields/images/train/", batch_size=5, size=SIZE,
+                         resize="random_resized_crop", flip=0.5, seed=SEED, epoch=EPOCH,
+                         transport=transport, fields=FIELDS)
+    transform = OutputTransform(feed_pb2.OutputSpec(
+        height=SIZE[0], width=SIZE[1], resize=feed_pb2.RESIZE_RANDOM_RESIZED_CROP), SEED, EPOCH)
+    seen, flipped, dropped, clipped = [], 0, 0, 0
+    for batch in loader:
+        rows = len(batch["index"])
+        assert batch["mask"].dtype == torch.uint8 and batch["mask"].shape == (rows, *SIZE)
+        assert batch["boxes"].dtype == torch.float32 and batch["boxes"].shape[1] == 5
+        assert batch["boxes_offsets"].tolist()[0] == 0 and len(batch["boxes_offsets"]) == rows + 1
+        assert batch["boxes_offsets"][-1] == len(batch["boxes"])
+        boxes, metas = split(batch, "boxes"), metadata(batch)
+        for row, i in enumerate(batch["index"].tolist()):
+            name = f"s{i:02d}"
+            seen.append(i)
+            with Image.open(field_root / "images" / "train" / f"{name}.jpg") as image:
+                box = transform.box(i, image.height, image.width)
+            flip = sample_rng(SEED, EPOCH, i, 1).random() < 0.5
+            ref_mask, ref_boxes, lost, source = _reference(field_root, name, box, flip)
+            assert np.array_equal(batch["mask"][row].numpy(), ref_mask), name
+            assert torch.allclose(boxes[row].double(), ref_boxes, atol=1e-4), (name, boxes[row])
+            for x0, y0, x1, y1, cls in boxes[row].tolist():
+                if x1 - x0 >= 2 and y1 - y0 >= 2:
+                    centre = batch["mask"][row, int((y0 + y1) / 2), int((x0 + x1) / 2)]
+                    assert centre == cls, (name, x0, y0, x1, y1, cls)
+            assert metas[row] == {"name": name, "boxes": len(source), "caption": "café"}
+            with Image.open(field_root / "images" / "train" / f"{name}.jpg") as image:
+                top, left, h, w = box
+                ref = image.convert("RGB").resize(SIZE[::-1], Image.BILINEAR,
+                                                  box=(left, top, left + w, top + h))
+            ref = np.asarray(ref.transpose(Image.FLIP_LEFT_RIGHT) if flip else ref)
+            assert psnr(batch["image"][row].numpy(), ref.transpose(2, 0, 1)) >= 25, name
+            flipped += flip
+            dropped += lost
+            clipped += int((ref_boxes[:, :4] == 0).any() or (ref_boxes[:, [0, 2]] == SIZE[1]).any()
+                           or (ref_boxes[:, [1, 3]] == SIZE[0]).any())
+    assert sorted(seen) == list(range(NUM))
+    assert not loader.failures
+    assert 0 < flipped < NUM and dropped > 0 and clipped > 0  # the cases the test is for
+
+
+def test_squash_moves_boxes_by_the_scale_alone(feed, field_root):
+    """A squash keeps the whole image: boxes are only scaled, none dropped; masks resized."""
+    batch = next(iter(feed.loader(files=["fields/images/train/s00.jpg"], batch_size=1, size=SIZE,
+                                  fields=FIELDS)))
+    ref_mask, ref_boxes, lost, source = _reference(
+        field_root, "s00", (0, 0, *Image.open(field_root / "masks/train/s00.png").size[::-1]),
+        False)
+    assert lost == 0 and len(batch["boxes"]) == len(source)
+    assert torch.allclose(batch["boxes"].double(), ref_boxes, atol=1e-4)
+    assert np.array_equal(batch["mask"][0].numpy(), ref_mask)
+
+
+def test_a_bad_sidecar_fails_its_sample_only(feed, data_dir, tmp_path):
+    """A missing mask, boxes that are not boxes, metadata that is not JSON, a mask of the
+    wrong size and a mask symlinked outside the data roots each fail their sample, saying
+    which field; every other sample arrives once."""
+    root = data_dir / "fields_bad"
+    names = [f"b{i:02d}" for i in range(8)]
+    _tree(root, names, np.random.default_rng(11))
+    (root / "masks" / "train" / "b01.png").unlink()
+    (root / "labels" / "train" / "b02.txt").write_text("1 2 3\n")
+    (root / "images" / "train" / "b03.json").write_text("{not json")
+    Image.new("L", (7, 5)).save(root / "masks" / "train" / "b04.png")
+    outside = tmp_path / "secret.png"
+    Image.new("L", (8, 8)).save(outside)
+    (root / "masks" / "train" / "b05.png").unlink()
+    os.symlink(outside, root / "masks" / "train" / "b05.png")
+    loader = feed.loader(files="fields_bad/images/train/", batch_size=3, size=SIZE,
+                         resize="random_resized_crop", fields=FIELDS, failure_budget=6)
+    indices = [i for batch in loader for i in batch["index"].tolist()]
+    failures = dict(loader.failures)
+    assert sorted(failures) == [1, 2, 3, 4, 5]
+    assert sorted(indices) == [0, 6, 7]
+    assert "mask: sidecar" in failures[1] and "not found" in failures[1], failures[1]
+    assert "boxes: box 0 is not x0 y0 x1 y1 class" in failures[2], failures[2]
+    assert "meta: not JSON" in failures[3], failures[3]
+    assert "mask: 7x5, but the image is" in failures[4], failures[4]
+    assert "outside the data roots" in failures[5], failures[5]
+
+
+@pytest.mark.parametrize("fields, at", [
+    ({"depth": ".png"}, "fields[0].name"),
+    (["boxes", "boxes"], "fields[1].name"),
+    ({"mask": Field(".png", tree=("images", ""))}, "fields[0].tree_from/tree_to"),
+    ({"mask": Field(".png", tree=("images", "../x"))}, "fields[0].tree_to"),
+    ({"mask": "png"}, "fields[0].suffix"),
+    ({"mask": "/etc/passwd"}, "fields[0].suffix"),
+    ({"meta": ".json", "boxes": Field(max_items=1 << 20)}, "fields[1].max_items"),
+    ({"mask": Field(max_items=3)}, "fields[0].max_items"),
+    # 65536 boxes x 20 bytes x 1024 samples: over the default --max-batch-bytes of 1 GiB
+    ({"mask": ".png", "boxes": Field(max_items=1 << 16)}, "fields[1].max_items"),
+])
+def test_a_bad_field_declaration_is_refused_naming_it(feed, field_root, fields, at):
+    with pytest.raises(FeedError) as error:
+        feed.loader(files="fields/images/train/", batch_size=1024, size=SIZE, fields=fields)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert at in str(error.value), str(error.value)
+
+
+def test_fields_need_image_samples(feed, data_dir):
+    np.save(data_dir / "fields_array.npy", np.zeros(3, np.float32))
+    with pytest.raises(FeedError) as error:
+        feed.loader(files=["fields_array.npy"], batch_size=1, fields=["meta"])
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fields: only image samples take fields" in str(error.value)
