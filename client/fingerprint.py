@@ -19,7 +19,10 @@ __all__ = ["check_fingerprint", "request_fingerprint"]
 # Shown as they are, so that a mismatch reads as values.
 _VALUES = ("batch_size", "shuffle", "seed", "rank", "world_size", "drop_last")
 # Compared by digest, grouped under one name each.
-_GROUPS = {"files": ("files", "list_file", "prefix"), "labels": ("labels", "label_source"),
+# A sample's fields (mask, boxes, metadata) are its annotations, as labels are: in that
+# group, a request without fields keeps the digest states saved before fields existed had.
+_GROUPS = {"files": ("files", "list_file", "prefix"),
+           "labels": ("labels", "label_source", "fields"),
            "transforms": ("output", "clip")}
 # Position and delivery: not part of what a pass holds.
 _DELIVERY = {"epoch", "start_batch", "transport", "prefetch", "max_failures",

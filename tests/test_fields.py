@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import tarfile
 
 import grpc
 import numpy as np
@@ -76,13 +77,18 @@ def field_root(data_dir):
 
 def _reference(root, name: str, box, flip: bool):
     """Pillow's nearest crop of the mask on ``box``; the boxes moved in torch."""
-    top, left, h, w = box
-    with Image.open(root / "masks" / "train" / f"{name}.png") as mask:
-        ref = mask.resize(SIZE[::-1], Image.NEAREST, box=(left, top, left + w, top + h))
-    if flip:
-        ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
     lines = (root / "labels" / "train" / f"{name}.txt").read_text().splitlines()[1:]
     source = torch.tensor([[float(v) for v in line.split()] for line in lines], dtype=torch.float64)
+    with Image.open(root / "masks" / "train" / f"{name}.png") as mask:
+        return (*_moved(mask, source, box, flip), source)
+
+
+def _moved(mask: Image.Image, source: torch.Tensor, box, flip: bool):
+    """(mask, boxes kept, boxes dropped) after the crop ``box``, resize and flip."""
+    top, left, h, w = box
+    ref = mask.resize(SIZE[::-1], Image.NEAREST, box=(left, top, left + w, top + h))
+    if flip:
+        ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
     height, width = SIZE
     boxes = source.clone()
     boxes[:, [0, 2]] = ((source[:, [0, 2]] - left) * width / w).clamp(0, width)
@@ -90,7 +96,7 @@ def _reference(root, name: str, box, flip: bool):
     inside = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
     if flip:
         boxes[:, [0, 2]] = width - boxes[:, [2, 0]]
-    return np.asarray(ref), boxes[inside], len(source) - int(inside.sum()), source
+    return np.asarray(ref), boxes[inside], len(source) - int(inside.sum())
 
 
 @pytest.mark.parametrize("transport", ["shm", "inline"])
@@ -205,3 +211,76 @@ def test_fields_need_image_samples(feed, data_dir):
         feed.loader(files=["fields_array.npy"], batch_size=1, fields=["meta"])
     assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "fields: only image samples take fields" in str(error.value)
+
+
+def _shard(root, names: list[str], skip_mask: str) -> bytes:
+    """The loose samples as one tar shard: ``key.jpg``, ``key.seg.png`` (class ids),
+    ``key.boxes.json`` (a JSON list) and ``key.json`` (metadata) per sample."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in names:
+            lines = (root / "labels" / "train" / f"{name}.txt").read_text().splitlines()[1:]
+            members = {
+                "jpg": (root / "images" / "train" / f"{name}.jpg").read_bytes(),
+                "seg.png": (root / "masks" / "train" / f"{name}.png").read_bytes(),
+                "boxes.json": json.dumps([[float(v) for v in line.split()]
+                                          for line in lines]).encode(),
+                "json": (root / "images" / "train" / f"{name}.json").read_bytes()}
+            if name == skip_mask:
+                del members["seg.png"]
+            for suffix, data in members.items():
+                info = tarfile.TarInfo(f"{name}.{suffix}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def test_tar_shard_members_are_fields(feed, data_dir, field_root):
+    """In a tar shard a field is a member extension: the same crop, nearest mask and boxes
+    as loose files give; a sample without its mask member fails alone."""
+    names = [f"s{i:02d}" for i in range(NUM)]
+    (data_dir / "fields-0000.tar").write_bytes(_shard(field_root, names, skip_mask="s03"))
+    loader = feed.loader(files=["fields-0000.tar"], batch_size=4, size=SIZE,
+                         resize="random_resized_crop", flip=0.5, seed=SEED, epoch=EPOCH,
+                         fields={"mask": ".seg.png", "boxes": ".boxes.json", "meta": ".json"},
+                         failure_budget=1)
+    transform = OutputTransform(feed_pb2.OutputSpec(
+        height=SIZE[0], width=SIZE[1], resize=feed_pb2.RESIZE_RANDOM_RESIZED_CROP), SEED, EPOCH)
+    seen = []
+    for batch in loader:
+        boxes, metas = split(batch, "boxes"), metadata(batch)
+        for row, i in enumerate(batch["index"].tolist()):
+            name = names[i]
+            seen.append(i)
+            with Image.open(field_root / "images" / "train" / f"{name}.jpg") as image:
+                box = transform.box(i, image.height, image.width)
+            flip = sample_rng(SEED, EPOCH, i, 1).random() < 0.5
+            ref_mask, ref_boxes, _, source = _reference(field_root, name, box, flip)
+            assert np.array_equal(batch["mask"][row].numpy(), ref_mask), name
+            assert torch.allclose(boxes[row].double(), ref_boxes, atol=1e-4), name
+            assert metas[row]["name"] == name
+    assert sorted(seen) == [i for i in range(NUM) if i != 3]
+    assert list(dict(loader.failures)) == [3]
+    assert "mask: sample 3 has no .seg.png member" in loader.failures[0][1]
+
+
+@pytest.mark.parametrize("fields, at", [
+    ({"boxes": ".txt"}, "fields[0].suffix"),
+    ({"mask": ".png"}, "fields[0].suffix"),
+    ({"mask": Field(".seg.png", tree=("images", "masks"))}, "fields[0].tree_from"),
+])
+def test_a_shard_field_must_name_its_own_member(feed, data_dir, field_root, fields, at):
+    (data_dir / "fields-0001.tar").write_bytes(_shard(field_root, ["s00"], skip_mask=""))
+    with pytest.raises(FeedError) as error:
+        feed.loader(files=["fields-0001.tar"], batch_size=1, size=SIZE, fields=fields)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert at in str(error.value), str(error.value)
+
+
+def test_a_saved_position_belongs_to_its_fields(feed, field_root):
+    """Fields decide a pass's content: a state saved with other fields is refused."""
+    with_fields = feed.loader(files="fields/images/train/", batch_size=4, size=SIZE,
+                              fields=["meta"])
+    without = feed.loader(files="fields/images/train/", batch_size=4, size=SIZE)
+    with pytest.raises(ValueError, match="labels differs"):
+        without.load_state_dict(with_fields.state_dict())

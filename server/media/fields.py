@@ -169,27 +169,42 @@ class SampleFields:
             offsets.append(f"{name}_offsets")
         return arrays, tuple(private), tuple(offsets)
 
-    def read(self, roots, path: str, placed: Placed, flip: bool, max_pixels: int) -> Sample:
-        """The sample's fields (but its image) after the crop and flip; a mask is refused
-        over ``max_pixels`` (--max-pixels) before it is decoded."""
-        sample: Sample = {}
-        for name, sidecar in self.sidecars.items():
-            located = roots.locate(sidecar.path(path, roots.root_of(path)))
-            if located == path:
-                raise DecodeError(f"{name}: the sidecar {sidecar.suffix!r} is the sample itself")
-            try:
-                data = roots.read(located)
-            except FileNotFoundError:
-                raise DecodeError(f"{name}: sidecar {roots.shown(located)} not found") from None
-            except OSError as e:
-                raise DecodeError(f"{name}: sidecar {roots.shown(located)}: {e}") from None
+    def read(self, roots, path: str, image: np.ndarray, placed: Placed, flip: bool,
+             max_pixels: int) -> Sample:
+        """The sample, its ``image`` row written, with its fields from its sidecar files
+        after the crop and flip; a mask over ``max_pixels`` (--max-pixels) is refused
+        before it is decoded."""
+        return self.convert({name: self._sidecar(roots, path, sidecar)
+                             for name, sidecar in self.sidecars.items()}, image, placed, flip,
+                            max_pixels)
+
+    def convert(self, files: dict[str, bytes], image: np.ndarray, placed: Placed, flip: bool,
+                max_pixels: int) -> Sample:
+        """The sample with its fields from their files' bytes (sidecars, or a shard's
+        members)."""
+        sample: Sample = {"image": image}
+        for name, data in files.items():
             if name == MASK:
                 sample[MASK] = self._mask(data, placed, flip, max_pixels)
             elif name == BOXES:
-                sample[BOXES] = self._boxes(data, located, placed, flip)
+                sample[BOXES] = self._boxes(data, placed, flip)
             else:
                 sample[META] = self._meta(data)
         return sample
+
+    @staticmethod
+    def _sidecar(roots, path: str, sidecar: Sidecar) -> bytes:
+        located = roots.locate(sidecar.path(path, roots.root_of(path)))
+        if located == path:
+            raise DecodeError(f"{sidecar.field}: the sidecar {sidecar.suffix!r} is the sample "
+                              f"itself")
+        try:
+            return roots.read(located)
+        except FileNotFoundError:
+            raise DecodeError(f"{sidecar.field}: sidecar {roots.shown(located)} not found"
+                              ) from None
+        except OSError as e:
+            raise DecodeError(f"{sidecar.field}: sidecar {roots.shown(located)}: {e}") from None
 
     def write(self, sample: Sample, arrays: dict[str, np.ndarray], row: int) -> None:
         """Write a sample's fields into its row of the batch."""
@@ -233,8 +248,8 @@ class SampleFields:
         ids = np.frombuffer(plane, np.uint8).reshape(frame.height, plane.line_size)
         return nearest_window(ids[:, :frame.width], placed.box, self.height, self.width, flip)
 
-    def _boxes(self, data: bytes, located: str, placed: Placed, flip: bool) -> np.ndarray:
-        boxes = _parse_boxes(data, located.endswith(".json"))
+    def _boxes(self, data: bytes, placed: Placed, flip: bool) -> np.ndarray:
+        boxes = _parse_boxes(data, self.sidecars[BOXES].suffix.lower().endswith(".json"))
         limit = self.max_items[BOXES]
         if len(boxes) > limit:
             raise DecodeError(f"boxes: {len(boxes)} boxes, over the {limit} per sample that "

@@ -94,8 +94,7 @@ class ImageRows:
             placed = decoders.image.decode_into(data, image, crop, flip)
             if self.fields is not None:
                 # The sample after crop and flip: where a per-sample transform would run.
-                sample = {"image": image, **self.fields.read(roots, path, placed, flip,
-                                                               decoders.max_pixels)}
+                sample = self.fields.read(roots, path, image, placed, flip, decoders.max_pixels)
                 self.fields.write(sample, arrays, row)
 
 

@@ -38,7 +38,7 @@ from ..storage.paths import DataRoots, FileTooLarge, LocatedPaths, OutsideDataRo
 from ..memory.ring import BatchLayout
 from ..media.samples import ARRAYS, IMAGE, VIDEO, ArrayRows, ImageRows, VideoRows, is_sample_file, \
     sample_kind
-from ..storage.shards import ShardRows, ShardSet, locate_shards, names_shards
+from ..storage.shards import TAKEN_SUFFIXES, ShardRows, ShardSet, locate_shards, names_shards
 from .order import Batches, shard_order, split_batches
 from ..media.transform import OutputTransform
 from .wire import COMPRESSORS
@@ -157,7 +157,7 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     else:
         transform, reader = _pixels(req, kind, fields)
         if shards:
-            reader = ShardRows(transform, shards)
+            reader = ShardRows(transform, shards, fields)
             paths = reader.paths
         layout = _image_layout(req.batch_size, transform, extra, fields)
 
@@ -249,12 +249,19 @@ def _fields(req: feed_pb2.StreamRequest, kind: str, shards: bool) -> SampleField
     if kind != IMAGE:
         raise _invalid(f"fields: only image samples take fields; these are "
                        f"{'video clips' if kind == VIDEO else 'array files'}")
-    if shards:
-        raise _invalid("fields: tar shards do not carry fields yet; give loose files")
     try:
-        return SampleFields(req.fields, req.output.height, req.output.width)
+        fields = SampleFields(req.fields, req.output.height, req.output.width)
     except FieldError as e:
         raise _invalid(str(e)) from None
+    for name, sidecar in fields.sidecars.items() if shards else ():
+        at = fields.declared_at(name)
+        if sidecar.tree_from:
+            raise _invalid(f"{at}.tree_from: a tar shard's fields are members of its samples; "
+                           f"there is no tree to rename")
+        if sidecar.suffix[1:].lower() in TAKEN_SUFFIXES:
+            raise _invalid(f"{at}.suffix: in a tar shard {sidecar.suffix!r} is an image or label "
+                           f"member; name the member's whole extension, such as '.seg.png'")
+    return fields
 
 
 def _check_field_bytes(batch_size: int, fields: SampleFields, slot_bytes: int,

@@ -55,28 +55,32 @@ import tarfile
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 
 from ..media.decode import DecodeError
+from ..media.fields import SampleFields
 from .paths import OutsideDataRoots
 from .roots import is_s3
 from ..media.transform import OutputTransform
 
-__all__ = ["SHUFFLE_BUFFER", "ShardIndex", "ShardRows", "ShardSet", "expand_braces",
+__all__ = ["SHUFFLE_BUFFER", "TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet", "expand_braces",
            "names_shards"]
 
 SHUFFLE_BUFFER = 1000
 _IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
 _LABEL_SUFFIXES = ("cls", "txt")
+# Member extensions that are a sample's image or label, so cannot name a field's member.
+TAKEN_SUFFIXES = _IMAGE_SUFFIXES + _LABEL_SUFFIXES
 _LABEL_MAX_BYTES = 64
 _INDEX_THREADS = 8
 _CACHED_SHARDS = 4096
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
+_NONE = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # an extension no sample has
 # Why a sample fails before any read (kept per sample as a small code).
 _OK, _TRUNCATED, _NO_IMAGE, _UNREADABLE = 0, 1, 2, 3
 
@@ -118,7 +122,12 @@ def names_shards(names: list[str]) -> bool:
 
 @dataclass(frozen=True)
 class ShardIndex:
-    """One shard's samples: image and label members as (offset, size), and why any fails."""
+    """One shard's samples: image and label members as (offset, size), and why any fails.
+
+    ``others``: every other member extension seen (``seg.png``, ``json``) ->
+    (offset, -1 when the sample has none; size) per sample, so that a request's
+    fields (media/fields.py) find their members without indexing the shard again.
+    """
 
     problem: str  # the shard could not be read at all (its samples are unknown), else ""
     image_offset: np.ndarray
@@ -126,6 +135,7 @@ class ShardIndex:
     label_offset: np.ndarray  # -1: no label member
     label_size: np.ndarray
     failure: np.ndarray  # per sample: _OK, _TRUNCATED, _NO_IMAGE
+    others: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     @property
     def samples(self) -> int:
@@ -135,7 +145,9 @@ class ShardIndex:
 def _index_members(members: list[tarfile.TarInfo], size: int, truncated: bool) -> ShardIndex:
     """Group members by key, in order; mark samples whose members end past ``size``."""
     image_offset, image_size, label_offset, label_size, failure = [], [], [], [], []
-    for _, group in itertools.groupby((m for m in members if m.isfile()), key=_key):
+    others: dict[str, tuple[list[int], list[int]]] = {}
+    for n, (_, group) in enumerate(itertools.groupby((m for m in members if m.isfile()),
+                                                     key=_key)):
         image = label = None
         for member in group:
             suffix = _suffix(member.name)
@@ -143,6 +155,15 @@ def _index_members(members: list[tarfile.TarInfo], size: int, truncated: bool) -
                 image = member
             elif label is None and suffix in _LABEL_SUFFIXES:
                 label = member
+            elif suffix not in _IMAGE_SUFFIXES and suffix not in _LABEL_SUFFIXES:
+                offsets, sizes = others.setdefault(suffix, ([-1] * n, [0] * n))
+                if len(offsets) == n:  # the sample's first member of that extension
+                    offsets.append(member.offset_data)
+                    sizes.append(member.size)
+        for offsets, sizes in others.values():  # extensions this sample lacks
+            if len(offsets) == n:
+                offsets.append(-1)
+                sizes.append(0)
         used = [m for m in (image, label) if m is not None]
         ends_past = any(m.offset_data + m.size > size for m in used)
         image_offset.append(image.offset_data if image else 0)
@@ -153,7 +174,9 @@ def _index_members(members: list[tarfile.TarInfo], size: int, truncated: bool) -
                        else _NO_IMAGE if image is None else _OK)
     return ShardIndex("", np.asarray(image_offset, np.int64), np.asarray(image_size, np.int64),
                       np.asarray(label_offset, np.int64), np.asarray(label_size, np.int64),
-                      np.asarray(failure, np.int8))
+                      np.asarray(failure, np.int8),
+                      {suffix: (np.asarray(offsets, np.int64), np.asarray(sizes, np.int64))
+                       for suffix, (offsets, sizes) in others.items()})
 
 
 def _key(member: tarfile.TarInfo) -> str:
@@ -254,7 +277,8 @@ class ShardSet:
     def nbytes(self) -> int:
         arrays = [self.first, self.sample_shard] + [
             a for i in self.indexes for a in (i.image_offset, i.image_size, i.label_offset,
-                                               i.label_size, i.failure)]
+                                               i.label_size, i.failure)] + [
+            a for i in self.indexes for pair in i.others.values() for a in pair]
         return sum(a.nbytes for a in arrays) + sum(len(p) for p in self.paths)
 
     def unreadable(self) -> list[tuple[str, str]]:
@@ -328,11 +352,19 @@ class _SamplePaths:
 
 
 class ShardRows:
-    """Reads a shard sample's image member (and label) into its row of a batch."""
+    """Reads a shard sample's image member (and label, and fields) into its row of a batch.
 
-    def __init__(self, transform: OutputTransform, shards: ShardSet):
+    A field (media/fields.py) is the member whose extension is its suffix without
+    the dot (``.seg.png`` -> ``000123.seg.png``); a sample without it fails.
+    """
+
+    def __init__(self, transform: OutputTransform, shards: ShardSet,
+                 fields: SampleFields | None = None):
         self.transform = transform
         self.shards = shards
+        self.fields = fields
+        self._members = {} if fields is None else {
+            name: sidecar.suffix[1:].lower() for name, sidecar in fields.sidecars.items()}
         self.paths = _SamplePaths(shards)
         self._lock = threading.Lock()
         self._ahead: dict[int, object] = {}  # sample -> its read issued ahead (readahead.py)
@@ -365,6 +397,11 @@ class ShardRows:
         members = [(int(shard_index.image_offset[n]), int(shard_index.image_size[n]))]
         if self.shards.has_labels:
             members.append((int(shard_index.label_offset[n]), int(shard_index.label_size[n])))
+        for suffix in self._members.values():
+            offsets, sizes = shard_index.others.get(suffix, _NONE)
+            if n >= len(offsets) or offsets[n] < 0:
+                return None
+            members.append((int(offsets[n]), int(sizes[n])))
         start = min(offset for offset, _ in members)
         return shard, start, max(offset + size for offset, size in members) - start
 
@@ -380,6 +417,10 @@ class ShardRows:
             raise DecodeError(f"sample {n} has no image member")
         if self.shards.has_labels and shard_index.label_offset[n] < 0:
             raise DecodeError(f"sample {n} has no .cls/.txt label member")
+        for name, suffix in self._members.items():
+            offsets, _ = shard_index.others.get(suffix, _NONE)
+            if n >= len(offsets) or offsets[n] < 0:
+                raise DecodeError(f"{name}: sample {n} has no .{suffix} member")
         _, start, size = self._span(index)
         with stages["read"].time():
             with self._lock:
@@ -392,9 +433,18 @@ class ShardRows:
             at = int(shard_index.label_offset[n]) - start
             arrays["label"][row] = _label(n, data[at:at + int(shard_index.label_size[n])])
         at = int(shard_index.image_offset[n]) - start
+        image = arrays.get("decoded", arrays["image"])[row]
         with stages["decode"].time():  # the decoder flips, as for loose images
-            decoders.image.decode_into(data[at:at + int(shard_index.image_size[n])],
-                                       arrays.get("decoded", arrays["image"])[row], crop, flip)
+            placed = decoders.image.decode_into(data[at:at + int(shard_index.image_size[n])],
+                                                image, crop, flip)
+            if self.fields is not None:
+                files = {}
+                for name, suffix in self._members.items():
+                    offsets, sizes = shard_index.others[suffix]
+                    at = int(offsets[n]) - start
+                    files[name] = data[at:at + int(sizes[n])]
+                sample = self.fields.convert(files, image, placed, flip, decoders.max_pixels)
+                self.fields.write(sample, arrays, row)
 
 
 def _label(n: int, text: bytes) -> int:
