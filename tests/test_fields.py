@@ -28,6 +28,8 @@ from support import psnr
 SIZE = (40, 48)
 SEED, EPOCH = 5, 1
 NUM = 12
+_TRANSFORM = OutputTransform(feed_pb2.OutputSpec(
+    height=SIZE[0], width=SIZE[1], resize=feed_pb2.RESIZE_RANDOM_RESIZED_CROP), SEED, EPOCH)
 FIELDS = {"mask": Field(".png", tree=("images", "masks")),
           "boxes": Field(".txt", tree=("images", "labels"), max_items=8),
           "meta": ".json"}
@@ -99,6 +101,19 @@ def _moved(mask: Image.Image, source: torch.Tensor, box, flip: bool):
     return np.asarray(ref), boxes[inside], len(source) - int(inside.sum())
 
 
+def _check_sample(root, name: str, index: int, batch, row: int, boxes: torch.Tensor):
+    """Assert the row's mask and boxes equal the reference on the sample's crop box (the
+    server's own function from (seed, epoch, index)) and flip; returns (box, flip, the
+    reference boxes, how many were dropped, the source boxes)."""
+    with Image.open(root / "images" / "train" / f"{name}.jpg") as image:
+        box = _TRANSFORM.box(index, image.height, image.width)
+    flip = sample_rng(SEED, EPOCH, index, 1).random() < 0.5
+    ref_mask, ref_boxes, lost, source = _reference(root, name, box, flip)
+    assert np.array_equal(batch["mask"][row].numpy(), ref_mask), name
+    assert torch.allclose(boxes.double(), ref_boxes, atol=1e-4), (name, boxes)
+    return box, flip, ref_boxes, lost, source
+
+
 @pytest.mark.parametrize("transport", ["shm", "inline"])
 def test_mask_and_boxes_follow_the_flipped_random_crop(feed, data_dir, field_root, transport):
     """Every sample once; its mask equals Pillow's nearest crop of the same box (flipped
@@ -107,8 +122,6 @@ def test_mask_and_boxes_follow_the_flipped_random_crop(feed, data_dir, field_roo
     loader = feed.loader(files="fields/images/train/", batch_size=5, size=SIZE,
                          resize="random_resized_crop", flip=0.5, seed=SEED, epoch=EPOCH,
                          transport=transport, fields=FIELDS)
-    transform = OutputTransform(feed_pb2.OutputSpec(
-        height=SIZE[0], width=SIZE[1], resize=feed_pb2.RESIZE_RANDOM_RESIZED_CROP), SEED, EPOCH)
     seen, flipped, dropped, clipped = [], 0, 0, 0
     for batch in loader:
         rows = len(batch["index"])
@@ -120,12 +133,8 @@ def test_mask_and_boxes_follow_the_flipped_random_crop(feed, data_dir, field_roo
         for row, i in enumerate(batch["index"].tolist()):
             name = f"s{i:02d}"
             seen.append(i)
-            with Image.open(field_root / "images" / "train" / f"{name}.jpg") as image:
-                box = transform.box(i, image.height, image.width)
-            flip = sample_rng(SEED, EPOCH, i, 1).random() < 0.5
-            ref_mask, ref_boxes, lost, source = _reference(field_root, name, box, flip)
-            assert np.array_equal(batch["mask"][row].numpy(), ref_mask), name
-            assert torch.allclose(boxes[row].double(), ref_boxes, atol=1e-4), (name, boxes[row])
+            box, flip, ref_boxes, lost, source = _check_sample(field_root, name, i, batch, row,
+                                                               boxes[row])
             for x0, y0, x1, y1, cls in boxes[row].tolist():
                 if x1 - x0 >= 2 and y1 - y0 >= 2:
                     centre = batch["mask"][row, int((y0 + y1) / 2), int((x0 + x1) / 2)]
@@ -244,21 +253,13 @@ def test_tar_shard_members_are_fields(feed, data_dir, field_root):
                          resize="random_resized_crop", flip=0.5, seed=SEED, epoch=EPOCH,
                          fields={"mask": ".seg.png", "boxes": ".boxes.json", "meta": ".json"},
                          failure_budget=1)
-    transform = OutputTransform(feed_pb2.OutputSpec(
-        height=SIZE[0], width=SIZE[1], resize=feed_pb2.RESIZE_RANDOM_RESIZED_CROP), SEED, EPOCH)
     seen = []
     for batch in loader:
         boxes, metas = split(batch, "boxes"), metadata(batch)
         for row, i in enumerate(batch["index"].tolist()):
-            name = names[i]
             seen.append(i)
-            with Image.open(field_root / "images" / "train" / f"{name}.jpg") as image:
-                box = transform.box(i, image.height, image.width)
-            flip = sample_rng(SEED, EPOCH, i, 1).random() < 0.5
-            ref_mask, ref_boxes, _, source = _reference(field_root, name, box, flip)
-            assert np.array_equal(batch["mask"][row].numpy(), ref_mask), name
-            assert torch.allclose(boxes[row].double(), ref_boxes, atol=1e-4), name
-            assert metas[row]["name"] == name
+            _check_sample(field_root, names[i], i, batch, row, boxes[row])
+            assert metas[row]["name"] == names[i]
     assert sorted(seen) == [i for i in range(NUM) if i != 3]
     assert list(dict(loader.failures)) == [3]
     assert "mask: sample 3 has no .seg.png member" in loader.failures[0][1]

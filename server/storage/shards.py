@@ -66,8 +66,8 @@ from .paths import OutsideDataRoots
 from .roots import is_s3
 from ..media.transform import OutputTransform
 
-__all__ = ["SHUFFLE_BUFFER", "TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet", "expand_braces",
-           "names_shards"]
+__all__ = ["SHUFFLE_BUFFER", "TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet",
+           "expand_braces", "names_shards"]
 
 SHUFFLE_BUFFER = 1000
 _IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
