@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +50,7 @@ from gpufeed.v1 import feed_pb2
 from .decode import DecodeError, Placed, decode_frame
 
 __all__ = ["BOXES", "FIELD_NAMES", "MASK", "META", "FieldError", "Sample", "SampleFields",
-           "Sidecar", "nearest_window"]
+           "Sidecar", "nearest_window", "row_sample"]
 
 MASK, BOXES, META = "mask", "boxes", "meta"
 FIELD_NAMES = (MASK, BOXES, META)
@@ -126,7 +127,7 @@ class SampleFields:
     ``ValueError`` (``FieldError``) at construction names the field at fault.
     """
 
-    def __init__(self, specs, height: int, width: int):
+    def __init__(self, specs: Iterable[feed_pb2.FieldSpec], height: int, width: int):
         self.height, self.width = height, width
         self.sidecars: dict[str, Sidecar] = {}
         self.max_items: dict[str, int] = {}
@@ -275,6 +276,20 @@ class SampleFields:
         except ValueError as e:  # UnicodeDecodeError and JSONDecodeError alike
             raise DecodeError(f"meta: not JSON: {e}") from None
         return np.frombuffer(data, np.uint8)
+
+
+def row_sample(arrays: dict[str, np.ndarray], row: int) -> Sample:
+    """Row ``row`` of a batch being filled, as a Sample of views (written in place): the
+    decoder's ``image`` uint8 [3, H, W] and whichever fields the stream has, ``mask``
+    [H, W], ``boxes`` [k, 5] and ``meta`` [n] (their rows' first k / n entries).
+    What a per-sample transform that runs after the decode sees."""
+    sample: Sample = {"image": arrays.get("decoded", arrays["image"])[row]}
+    if MASK in arrays:
+        sample[MASK] = arrays[MASK][row]
+    for name in _VARIABLE:
+        if f"{name}_count" in arrays:
+            sample[name] = arrays[name][row, :int(arrays[f"{name}_count"][row])]
+    return sample
 
 
 def nearest_window(source: np.ndarray, box, height: int, width: int, flip: bool = False
