@@ -183,8 +183,13 @@ def test_a_bad_sidecar_fails_its_sample_only(feed, data_dir, tmp_path):
     (root / "masks" / "train" / "b05.png").unlink()
     os.symlink(outside, root / "masks" / "train" / "b05.png")
     loader = feed.loader(files="fields_bad/images/train/", batch_size=3, size=SIZE,
-                         resize="random_resized_crop", fields=FIELDS, failure_budget=6)
-    indices = [i for batch in loader for i in batch["index"].tolist()]
+                         resize="random_resized_crop", flip=0.5, seed=SEED, epoch=EPOCH,
+                         fields=FIELDS, failure_budget=6)
+    indices = []
+    for batch in loader:  # the rows left after failed ones are closed up keep their own fields
+        for row, (i, boxes) in enumerate(zip(batch["index"].tolist(), split(batch, "boxes"))):
+            _check_sample(root, names[i], i, batch, row, boxes)
+            indices.append(i)
     failures = dict(loader.failures)
     assert sorted(failures) == [1, 2, 3, 4, 5]
     assert sorted(indices) == [0, 6, 7]
