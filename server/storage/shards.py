@@ -36,7 +36,8 @@ stream touches at any moment lie in a window of ``SHUFFLE_BUFFER`` + (prefetch
 + 1) x batch_size samples of consecutive shards, which reads within a shard
 keep near-sequential (the page cache's read-ahead, or an S3 range read per
 member). The plan itself holds 8 bytes of order and about 40 bytes of index
-per sample, plus each shard's path.
+per sample (16 more per member extension beyond image and label, which a
+request's fields may name), plus each shard's path.
 
 Resume is exact at any batch (the position the client sends), since the order
 is computed whole at plan time. A shard whose data ends early (truncated)
