@@ -21,6 +21,8 @@ from PIL import Image, ImageDraw
 
 from gpufeed.client import FeedError, Field, metadata, split
 from gpufeed.server.demo import synthetic_photo
+from gpufeed.server.media.decode import DecodeError
+from gpufeed.server.media.fields import Sidecar
 from gpufeed.server.media.transform import OutputTransform, sample_rng
 from gpufeed.v1 import feed_pb2
 from support import psnr
@@ -101,13 +103,14 @@ def _moved(mask: Image.Image, source: torch.Tensor, box, flip: bool):
     return np.asarray(ref), boxes[inside], len(source) - int(inside.sum())
 
 
-def _check_sample(root, name: str, index: int, batch, row: int, boxes: torch.Tensor):
+def _check_sample(root, name: str, index: int, batch, row: int, boxes: torch.Tensor,
+                  transform: OutputTransform = _TRANSFORM, flip_probability: float = 0.5):
     """Assert the row's mask and boxes equal the reference on the sample's crop box (the
     server's own function from (seed, epoch, index)) and flip; returns (box, flip, the
     reference boxes, how many were dropped, the source boxes)."""
     with Image.open(root / "images" / "train" / f"{name}.jpg") as image:
-        box = _TRANSFORM.box(index, image.height, image.width)
-    flip = sample_rng(SEED, EPOCH, index, 1).random() < 0.5
+        box = transform.box(index, image.height, image.width)
+    flip = sample_rng(SEED, EPOCH, index, 1).random() < flip_probability
     ref_mask, ref_boxes, lost, source = _reference(root, name, box, flip)
     assert np.array_equal(batch["mask"][row].numpy(), ref_mask), name
     assert torch.allclose(boxes.double(), ref_boxes, atol=1e-4), (name, boxes)
@@ -165,6 +168,35 @@ def test_squash_moves_boxes_by_the_scale_alone(feed, field_root):
     assert lost == 0 and len(batch["boxes"]) == len(source)
     assert torch.allclose(batch["boxes"].double(), ref_boxes, atol=1e-4)
     assert np.array_equal(batch["mask"][0].numpy(), ref_mask)
+
+
+def test_a_centre_crop_box_between_pixels_moves_the_fields_too(feed, field_root):
+    """A centre crop's box falls between source pixels: the mask still picks Pillow's
+    nearest pixels on it, and the boxes follow the same box."""
+    names = [f"s{i:02d}" for i in range(NUM)]
+    loader = feed.loader(files=[f"fields/images/train/{n}.jpg" for n in names], batch_size=6,
+                         size=SIZE, resize="center_crop", fields=FIELDS)
+    transform = OutputTransform(feed_pb2.OutputSpec(
+        height=SIZE[0], width=SIZE[1], resize=feed_pb2.RESIZE_SHORTER_CENTER_CROP), SEED, EPOCH)
+    seen, between = [], 0
+    for batch in loader:
+        for row, (i, boxes) in enumerate(zip(batch["index"].tolist(), split(batch, "boxes"))):
+            box, *_ = _check_sample(field_root, names[i], i, batch, row, boxes, transform, 0)
+            between += box[0] != int(box[0]) or box[1] != int(box[1])
+            seen.append(i)
+    assert sorted(seen) == list(range(NUM))
+    assert between > 0  # the case the test is for
+
+
+def test_the_tree_rule_renames_below_the_data_root_only():
+    """The last directory of that name below the root is renamed; the root's own name is
+    not; a sample without one fails."""
+    rule = Sidecar("mask", ".png", "images", "masks")
+    assert rule.path("/srv/images/coco/images/train/x.jpg", "/srv/images") == \
+        "/srv/images/coco/masks/train/x.png"
+    assert rule.path("/srv/d/images/a/images/x.1.jpg", "/srv/d") == "/srv/d/images/a/masks/x.1.png"
+    with pytest.raises(DecodeError, match="no directory 'images'"):
+        rule.path("/srv/images/train/x.jpg", "/srv/images")
 
 
 def test_a_bad_sidecar_fails_its_sample_only(feed, data_dir, tmp_path):
