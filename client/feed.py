@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 from collections.abc import Mapping, Sequence
@@ -47,6 +48,24 @@ def _prefix(prefix: str | os.PathLike) -> str:
     if isinstance(prefix, str):
         return prefix
     return os.path.join(os.fspath(prefix), "")
+
+
+def _sample_transforms(transforms: Sequence[str | tuple[str, dict]]
+                       ) -> list[feed_pb2.SampleTransform]:
+    """Names with JSON parameters: what a request may carry (the server checks them)."""
+    specs = []
+    for i, item in enumerate(transforms):
+        name, params = (item, {}) if isinstance(item, str) else item
+        if not isinstance(name, str) or not isinstance(params, dict):
+            raise ValueError(f"transforms[{i}] must be a name or (name, dict of parameters), "
+                             f"got {item!r}")
+        try:
+            text = json.dumps(params, allow_nan=False, sort_keys=True) if params else ""
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"transforms[{i}] {name!r}: parameters must be JSON values: "
+                             f"{e}") from None
+        specs.append(feed_pb2.SampleTransform(name=name, params_json=text))
+    return specs
 
 
 def _choice(name: str, value: str, choices: dict) -> int:
@@ -104,7 +123,8 @@ class FeedClient:
                transport: str = "auto", prefetch: int = 0, copy: bool = False,
                failure_budget: int | float = 0, reconnect_timeout: float = 30.0,
                job: str = "", compression: str = "",
-               fields: Mapping[str, Field | str] | Sequence[str] | None = None) -> Loader:
+               fields: Mapping[str, Field | str] | Sequence[str] | None = None,
+               transforms: Sequence[str | tuple[str, dict]] = ()) -> Loader:
         """A loader over ``files``: a list of paths, or the path of a list file on the server
         (``str`` or ``pathlib.Path`` alike). A ``Path`` prefix is a directory: its
         files are ``prefix / name``; a ``str`` prefix is prepended as it is.
@@ -147,6 +167,10 @@ class FeedClient:
         ``fields``: a sample's fields beside its image, each from a sidecar file:
         names (``["mask", "boxes", "meta"]``, default sidecars) or a dict of name to
         a ``Field`` or a suffix; each is a tensor of the batch (fields.py, README).
+        ``transforms``: sample transforms the server has (built in, or installed by
+        its operator with ``--plugins``), run in order on each decoded image:
+        names, or ``(name, {parameter: JSON value})`` pairs, e.g.
+        ``[("color_jitter", {"brightness": 0.4}), "trivial_augment_wide"]``.
 
         The first stream is opened here: a refused request raises FeedError
         now, and ``loader.classes`` and ``len(loader)`` are known.
@@ -172,7 +196,8 @@ class FeedClient:
             if clip else None,
             drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank,
             world_size=world_size, transport=_TRANSPORTS[transport], prefetch=prefetch, job=job,
-            compression=compression, fields=field_specs(fields))
+            compression=compression, fields=field_specs(fields),
+            sample_transforms=_sample_transforms(transforms))
         if isinstance(failure_budget, float) and 0 < failure_budget < 1:
             request.max_failure_fraction = failure_budget
         elif isinstance(failure_budget, int) and failure_budget >= 0:

@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--read-ahead-bytes", type=int, default=ServerConfig.read_ahead_bytes,
                    help="bytes S3 reads may hold ahead of the decode threads (0: no read-ahead; "
                         "default %(default)s)")
+    p.add_argument("--plugins", action="append", default=[], metavar="MODULE",
+                   help="import this module (e.g. mypkg.transforms; repeatable, or "
+                        "comma-separated): the sample transforms it registers become "
+                        "transforms requests may name (README.md, 'Sample transforms')")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="decode threads shared by all streams (default: cores, %(default)s)")
     p.add_argument("--device", default="cpu",
@@ -132,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             drain_seconds=args.drain_seconds, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca, s3_endpoint=args.s3_endpoint,
             io_threads=args.io_threads, read_ahead_bytes=args.read_ahead_bytes,
+            plugins=[m.strip() for arg in args.plugins for m in arg.split(",") if m.strip()],
             token=read_token(args.token_file) if args.token_file else None,
         )
         server = FeedServer(config)

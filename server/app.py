@@ -17,9 +17,11 @@ from grpc_reflection.v1alpha import reflection
 
 from gpufeed.v1 import feed_pb2
 
+from . import transforms
 from .auth import TokenInterceptor, server_credentials
 from .serving.calls import CallGate, worker_threads
 from .media.decode import DEFAULT_MAX_PIXELS
+from .media.pipeline import set_process_count, shutdown_processes
 from .metrics import ServerMetrics
 from .storage.paths import DEFAULT_MAX_FILE_BYTES
 from .storage.roots import Storage
@@ -72,6 +74,9 @@ class ServerConfig:
     # The I/O stage for S3 reads: its threads, and the bytes it may hold ahead (0: off).
     io_threads: int = 16
     read_ahead_bytes: int = 256 << 20
+    # Modules whose registered sample transforms requests may name (server/transforms.py),
+    # besides the built-in ones.
+    plugins: list[str] = field(default_factory=list)
 
 
 # Let clients ping every second or so (they do, to notice a dead server), and
@@ -87,6 +92,19 @@ _GRPC_OPTIONS = [
 ]
 
 
+def _load_plugins(modules: list[str], threads: int) -> None:
+    """Import the built-in and the operator's transform modules; RuntimeError naming a
+    module that cannot be imported."""
+    for module in modules:
+        try:
+            transforms.load([module])
+        except Exception as e:  # ImportError, or the module's own error as it registers
+            raise RuntimeError(f"--plugins {module}: cannot import it: "
+                               f"{type(e).__name__}: {e}") from None
+    _log.info("sample transforms: %s", ", ".join(transforms.load()))
+    set_process_count(threads)
+
+
 class FeedServer:
     def __init__(self, config: ServerConfig):
         self.config = config
@@ -98,6 +116,7 @@ class FeedServer:
             from .memory.cuda_ipc import check_device
 
             device = check_device(config.device)
+        _load_plugins(config.plugins, config.threads)
         self._shm = ShmNamespace()
         self._pool = DecodePool(config.threads, config.max_pixels)
         self._watchdog = Watchdog()
@@ -160,6 +179,7 @@ class FeedServer:
         self.servicer.drain(self.config.drain_seconds)
         self._grpc.stop(1.0).wait()
         self._pool.close()
+        shutdown_processes()
         self._roots.close()
         self._shm.close()
         self._watchdog.close()

@@ -40,6 +40,7 @@ from ..media.samples import ARRAYS, IMAGE, VIDEO, ArrayRows, ImageRows, VideoRow
     sample_kind
 from ..storage.shards import TAKEN_SUFFIXES, ShardRows, ShardSet, locate_shards, names_shards
 from .order import Batches, shard_order, split_batches
+from ..media.pipeline import SampleTransforms
 from ..media.transform import OutputTransform
 from .wire import COMPRESSORS
 
@@ -100,6 +101,8 @@ class StreamPlan:
     compress: Callable[[list[memoryview]], list[bytes]] | None = None
     # The request's fields beside the image (fields.py); None when it declares none.
     fields: SampleFields | None = None
+    # The request's sample transforms (server/transforms.py), run on each decoded row.
+    sample_transforms: SampleTransforms | None = None
 
     @property
     def num_slots(self) -> int:
@@ -160,6 +163,7 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
             reader = ShardRows(transform, shards, fields)
             paths = reader.paths
         layout = _image_layout(req.batch_size, transform, extra, fields)
+    sample_transforms = _sample_transforms(req, kind)
 
     prefetch = req.prefetch or limits.default_prefetch
     if not 0 < prefetch <= limits.max_prefetch:
@@ -198,7 +202,7 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                       prefetch=prefetch,
                       max_failures=_failure_budget(req, batches.samples_from(0), limits),
                       lease_timeout=limits.lease_timeout, compression=compression,
-                      compress=compress, fields=fields)
+                      compress=compress, fields=fields, sample_transforms=sample_transforms)
     if plan.nbytes >= _TRIM_AFTER_BYTES:
         weakref.finalize(plan, return_free_memory)
     return plan
@@ -307,6 +311,19 @@ def _pixels(req: feed_pb2.StreamRequest, kind: str, fields: SampleFields | None 
     if kind == VIDEO:
         return transform, VideoRows(transform, clip.frames, clip.stride or 1, clip.random_start)
     return transform, ImageRows(transform, fields)
+
+
+def _sample_transforms(req: feed_pb2.StreamRequest, kind: str) -> SampleTransforms | None:
+    """The request's named transforms, made from their parameters (server/transforms.py)."""
+    if not req.sample_transforms:
+        return None
+    if kind != IMAGE:
+        raise _invalid("sample_transforms: only image samples take sample transforms "
+                       "(not video clips or array files)")
+    try:
+        return SampleTransforms.from_request(req.sample_transforms, req.seed, req.epoch)
+    except ValueError as e:
+        raise _invalid(str(e)) from None
 
 
 def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarray]:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..media.decode import DecodeError
+from ..media.pipeline import TransformFailed
 from .sources import OwnBatches, SharedJob
 from ..metrics import ServerMetrics
 from .order import samples_at
@@ -114,7 +115,7 @@ class Batch:
                 failure = f"permission denied: {e}"
             except OSError as e:
                 failure = f"read error: {os.strerror(e.errno) if e.errno else e}"
-            except DecodeError as e:
+            except (DecodeError, TransformFailed) as e:
                 failure = str(e)
             except Exception as e:  # a bug: fail the sample, keep the stream, say so in the log
                 log_sample_bug(e, index, stream.plan.paths[index])
@@ -153,10 +154,13 @@ class Batch:
                 self._stream.cond.notify_all()
 
     def _read(self, index: int, row: int, decoders: Decoders) -> None:
-        """Sample ``index`` into row ``row``; raises what reading or decoding it raises."""
+        """Sample ``index`` into row ``row``, then the request's sample transforms on it;
+        raises what reading, decoding or a transform raises."""
         stream = self._stream
         stream.plan.reader.read_into(stream.roots, stream.plan.paths[index], index,
                                      self.arrays, row, decoders, stream.metrics.stages)
+        if stream.plan.sample_transforms is not None:
+            stream.plan.sample_transforms.apply(self.arrays, row, index)
 
     def _refill(self, decoders: Decoders) -> np.ndarray:
         """The sample index that stands in for a batch whose every sample failed, read into

@@ -84,7 +84,7 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[StreamRequest, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job", "label_source", "clip", "classes", "fields", "batch_stride", "batch_offset", "compression")
+    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job", "label_source", "clip", "classes", "fields", "sample_transforms", "batch_stride", "batch_offset", "compression")
     FILES_FIELD_NUMBER: _ClassVar[int]
     LIST_FILE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class StreamRequest(_message.Message):
     CLIP_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_TRANSFORMS_FIELD_NUMBER: _ClassVar[int]
     BATCH_STRIDE_FIELD_NUMBER: _ClassVar[int]
     BATCH_OFFSET_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
@@ -132,10 +133,11 @@ class StreamRequest(_message.Message):
     clip: ClipSpec
     classes: _containers.RepeatedScalarFieldContainer[str]
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
+    sample_transforms: _containers.RepeatedCompositeFieldContainer[SampleTransform]
     batch_stride: int
     batch_offset: int
     compression: str
-    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ..., label_source: _Optional[_Union[LabelSource, str]] = ..., clip: _Optional[_Union[ClipSpec, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
+    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ..., label_source: _Optional[_Union[LabelSource, str]] = ..., clip: _Optional[_Union[ClipSpec, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., sample_transforms: _Optional[_Iterable[_Union[SampleTransform, _Mapping]]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class FieldSpec(_message.Message):
     __slots__ = ("name", "suffix", "tree_from", "tree_to", "max_items")
@@ -150,6 +152,14 @@ class FieldSpec(_message.Message):
     tree_to: str
     max_items: int
     def __init__(self, name: _Optional[str] = ..., suffix: _Optional[str] = ..., tree_from: _Optional[str] = ..., tree_to: _Optional[str] = ..., max_items: _Optional[int] = ...) -> None: ...
+
+class SampleTransform(_message.Message):
+    __slots__ = ("name", "params_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    params_json: str
+    def __init__(self, name: _Optional[str] = ..., params_json: _Optional[str] = ...) -> None: ...
 
 class ClipSpec(_message.Message):
     __slots__ = ("frames", "stride", "random_start")

@@ -1,0 +1,205 @@
+"""Named sample transforms: what a plugin registers and a request asks for by name.
+
+A plugin is a Python module the operator names with ``gpufeed-server --plugins
+mypkg.transforms``; importing it registers its transforms::
+
+    from gpufeed.server import transforms
+
+    @transforms.register("posterize")
+    def posterize(bits: int = 4):            # the parameters a request may give
+        if not 1 <= bits <= 8:
+            raise ValueError(f"bits must be in 1..8, got {bits}")
+        mask = 0xFF << (8 - bits) & 0xFF
+
+        def apply(sample, rng):               # per sample, on a decode thread
+            np.bitwise_and(sample["image"], mask, out=sample["image"])
+            return sample
+
+        return apply
+
+A registered function is a *factory*: the server calls it once when a stream
+opens, with the request's parameters as keyword arguments, and it returns the
+per-sample function. So parameters are checked once, before any sample is
+decoded, by ordinary Python code: an unknown parameter, a value of the wrong
+type (checked against the factory's annotations: ``int``, ``float``, ``bool``,
+``str``, or a list of those) or a ``ValueError``/``TypeError`` the factory
+raises refuses the request with INVALID_ARGUMENT naming the transform. Clients
+send names and JSON values only, never code.
+
+The per-sample function gets the sample's fields, a dict of name -> numpy array
+(``image`` is the decoded uint8 [3, H, W] row, after the crop and flip), and a
+``numpy.random.Generator`` seeded by (seed, epoch, sample index, the
+transform's place in the request): all its randomness must come from it, so that
+a pass is reproducible and resumes exactly. It returns the dict, its arrays
+changed in place or replaced by arrays (or tensors) of the same shape and dtype.
+
+``holds_gil=True`` says the transform is pure Python that holds the GIL (loops
+over pixels): the server then runs it in a small process pool instead of on the
+decode threads, which would only take turns at it. numpy and torch release the
+GIL in their kernels; leave the flag off for them (bench/README.md measured the
+two).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import types
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Registered", "SampleFn", "TransformError", "load", "lookup", "names", "register"]
+
+# The fields of one sample: name -> array ("image": uint8 [3, H, W]).
+Fields = dict[str, typing.Any]
+# What a factory returns: the transform of one sample.
+SampleFn = Callable[[Fields, np.random.Generator], Fields]
+
+# Modules every server loads: the built-in augmentations are plugins too.
+BUILT_IN = ("gpufeed.server.media.augment",)
+
+
+class TransformError(ValueError):
+    """A transform a request cannot have (unknown name, bad parameters); names it."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A registered transform: its name, factory, and whether it holds the GIL."""
+
+    name: str
+    factory: Callable[..., SampleFn]
+    holds_gil: bool
+    module: str
+
+    def make(self, params: dict) -> SampleFn:
+        """The per-sample function for ``params``; TransformError naming what is wrong."""
+        accepted = _parameters(self.factory)
+        for key, value in params.items():
+            if key not in accepted:
+                raise TransformError(f"{self.name!r} has no parameter {key!r} (it takes: "
+                                     f"{', '.join(accepted) or 'none'})")
+            _check_type(self.name, key, value, accepted[key])
+        try:
+            fn = self.factory(**params)
+        except (TypeError, ValueError) as e:
+            raise TransformError(f"{self.name!r}: {e}") from None
+        if not callable(fn):
+            raise TransformError(f"{self.name!r}: its factory returned {type(fn).__name__}, "
+                                 f"not a function of (sample, rng)")
+        return fn
+
+
+_registry: dict[str, Registered] = {}
+_loaded: list[str] = []
+
+
+def register(name: str, *, holds_gil: bool = False
+             ) -> Callable[[Callable[..., SampleFn]], Callable[..., SampleFn]]:
+    """Register the decorated factory as the transform ``name`` (see the module's text)."""
+    if not name or not name.replace("_", "").isalnum():
+        raise ValueError(f"a transform name is letters, digits and underscores, got {name!r}")
+
+    def decorate(factory: Callable[..., SampleFn]) -> Callable[..., SampleFn]:
+        known = _registry.get(name)
+        if known is not None and known.factory.__qualname__ != factory.__qualname__:
+            raise ValueError(f"transform {name!r} is registered twice ({known.module} and "
+                             f"{factory.__module__})")
+        _registry[name] = Registered(name, factory, holds_gil, factory.__module__)
+        return factory
+
+    return decorate
+
+
+def load(modules: Iterable[str] = ()) -> list[str]:
+    """Import the built-ins and ``modules`` (each registers its transforms); the names
+    now registered. ImportError (or the module's own error) if one cannot be imported."""
+    for module in (*BUILT_IN, *modules):
+        importlib.import_module(module)
+        if module not in _loaded:
+            _loaded.append(module)
+    return names()
+
+
+def loaded_modules() -> tuple[str, ...]:
+    """The modules ``load`` imported: what a worker process imports to have the same
+    transforms."""
+    return tuple(_loaded)
+
+
+def names() -> list[str]:
+    return sorted(_registry)
+
+
+def lookup(name: str) -> Registered:
+    found = _registry.get(name)
+    if found is None:
+        raise TransformError(f"unknown transform {name!r} (this server has: "
+                             f"{', '.join(names()) or 'none'}; operators add more with "
+                             f"gpufeed-server --plugins)")
+    return found
+
+
+def parse_params(name: str, params_json: str) -> dict:
+    """A request's parameters: a JSON object; TransformError if it is not one."""
+    if not params_json:
+        return {}
+    try:
+        params = json.loads(params_json)
+    except ValueError as e:
+        raise TransformError(f"{name!r}: parameters are not JSON: {e}") from None
+    if not isinstance(params, dict):
+        raise TransformError(f"{name!r}: parameters must be a JSON object, got "
+                             f"{type(params).__name__}")
+    return params
+
+
+def _parameters(factory: Callable) -> dict[str, object]:
+    """The factory's keyword parameters and their annotated types (None: unchecked)."""
+    try:
+        hints = typing.get_type_hints(factory)
+    except Exception:  # an annotation that does not resolve: check nothing
+        hints = {}
+    return {p.name: hints.get(p.name) for p in inspect.signature(factory).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _check_type(name: str, key: str, value: object, hint: object) -> None:
+    if hint is None or _fits(value, hint):
+        return
+    raise TransformError(f"{name!r}: parameter {key!r} must be {_describe(hint)}, got "
+                         f"{json.dumps(value)}")
+
+
+def _fits(value: object, hint: object) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arm) for arm in typing.get_args(hint))
+    if origin in (list, tuple, Sequence, Iterable) or hint in (list, tuple):
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value) \
+            if args else isinstance(value, list)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is type(None):
+        return value is None
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True  # Any, TypeVars, ...: the factory checks
+
+
+def _describe(hint: object) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arm) for arm in typing.get_args(hint))
+    if origin is not None:
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return f"a list of ({_describe(args[0])})" if args else "a list"
+    return {float: "a number", int: "an integer", bool: "true or false", str: "a string",
+            type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))  # type: ignore
