@@ -1,0 +1,222 @@
+"""Operator-installed sample transforms, end to end: a plugin package on the server's path,
+loaded with --plugins, asked for by name from the real client."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from gpufeed.client import FeedClient, FeedError
+from gpufeed.server.media.transform import sample_rng
+from gpufeed.server.process import ServerProcess
+
+_PLUGIN = '''
+from __future__ import annotations
+
+import numpy as np
+
+from gpufeed.server import transforms
+
+
+@transforms.register("add_constant")
+def add_constant(value: int = 0):
+    if not -255 <= value <= 255:
+        raise ValueError(f"value must be in -255..255, got {value}")
+
+    def apply(sample, rng):
+        widened = sample["image"].astype(np.int16) + value
+        sample["image"] = np.clip(widened, 0, 255).astype(np.uint8)  # a new array
+        return sample
+
+    return apply
+
+
+@transforms.register("fail_sometimes")
+def fail_sometimes(p: float = 0.5):
+    def apply(sample, rng):
+        if rng.random() < p:
+            raise RuntimeError("boom")
+        return sample
+
+    return apply
+
+
+def _roll(shift: int = 5):
+    def apply(sample, rng):
+        image = sample["image"]  # changed in place
+        image[...] = np.roll(image, int(rng.integers(-shift, shift + 1)), axis=-1)
+        image[0] ^= np.uint8(rng.integers(0, 256))
+        return sample
+
+    return apply
+
+
+transforms.register("random_roll")(_roll)
+transforms.register("random_roll_in_processes", holds_gil=True)(_roll)
+'''
+
+SIZE = 32
+N = 60
+SEED = 11
+
+
+@pytest.fixture(scope="module")
+def plugin_path(tmp_path_factory) -> Path:
+    """A package ``tmpplugins`` (transforms in ``tmpplugins.transforms``) outside the repo."""
+    root = tmp_path_factory.mktemp("plugins")
+    (root / "tmpplugins").mkdir()
+    (root / "tmpplugins" / "__init__.py").write_text("")
+    (root / "tmpplugins" / "transforms.py").write_text(textwrap.dedent(_PLUGIN))
+    return root
+
+
+@pytest.fixture(scope="module")
+def plugin_server(data_dir, plugin_path):
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    with ServerProcess(["--data-root", str(data_dir), "--threads", "2",
+                        "--plugins", "tmpplugins.transforms,noise_transforms"],
+                       env={"PYTHONPATH": f"{plugin_path}:{examples}"}) as proc:
+        yield proc
+
+
+@pytest.fixture()
+def feed(plugin_server):
+    with FeedClient(plugin_server.address) as client:
+        yield client
+
+
+def _images(loader) -> dict[int, np.ndarray]:
+    """Sample index -> its image, over one pass."""
+    out = {}
+    for batch in loader:
+        for index, image in zip(batch["index"].tolist(), batch["image"].numpy()):
+            assert index not in out
+            out[index] = image.copy()
+    return out
+
+
+def _loader(feed, names, transforms=(), **kw):
+    args = dict(batch_size=8, size=SIZE, resize="random_resized_crop", flip=0.5, shuffle=True,
+                seed=SEED, transport="inline")
+    args.update(kw)
+    return feed.loader(names[:N], transforms=list(transforms), **args)
+
+
+def test_a_plugin_transform_runs_on_every_sample(feed, image_names):
+    plain = _images(_loader(feed, image_names))
+    lifted = _images(_loader(feed, image_names, [("add_constant", {"value": 40})]))
+    assert sorted(lifted) == list(range(N))
+    for index, image in plain.items():
+        expected = np.clip(image.astype(np.int16) + 40, 0, 255).astype(np.uint8)
+        np.testing.assert_array_equal(lifted[index], expected, err_msg=f"sample {index}")
+
+
+def test_the_example_plugin_serves(feed, image_names):
+    plain = _images(_loader(feed, image_names))
+    noisy = _images(_loader(feed, image_names, [("gaussian_noise", {"sigma": 20.0}),
+                                                ("salt_and_pepper", {"amount": 0.05})]))
+    assert sorted(noisy) == list(range(N))
+    changed = [not np.array_equal(plain[i], noisy[i]) for i in plain]
+    assert all(changed)
+    again = _images(_loader(feed, image_names, [("gaussian_noise", {"sigma": 20.0}),
+                                                ("salt_and_pepper", {"amount": 0.05})]))
+    for index in noisy:
+        np.testing.assert_array_equal(again[index], noisy[index])
+
+
+@pytest.mark.parametrize("name", ["random_roll", "random_roll_in_processes"])
+def test_random_plugin_transforms_repeat_and_resume(feed, image_names, name):
+    """The same pass twice is the same pixels; a pass resumed from a mid-pass state gives
+    the rest of the same pass; threads and worker processes give the same pixels."""
+    transforms = [("random_roll", {"shift": 6})] if name == "random_roll" else \
+        [(name, {"shift": 6})]
+    first = _images(_loader(feed, image_names, transforms))
+    second = _images(_loader(feed, image_names, transforms))
+    assert sorted(first) == list(range(N))
+    for index in first:
+        np.testing.assert_array_equal(first[index], second[index])
+    plain = _images(_loader(feed, image_names))
+    assert sum(not np.array_equal(plain[i], first[i]) for i in first) > N // 2
+
+    loader = _loader(feed, image_names, transforms)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    state = loader.state_dict()
+    batches.close()
+    resumed_loader = _loader(feed, image_names, transforms)
+    resumed_loader.load_state_dict(state)
+    resumed = _images(resumed_loader)
+    assert len(resumed) == N - 3 * 8
+    for index, image in resumed.items():
+        np.testing.assert_array_equal(image, first[index], err_msg=f"sample {index}")
+
+    if name == "random_roll_in_processes":
+        threads = _images(_loader(feed, image_names, [("random_roll", {"shift": 6})]))
+        for index in first:
+            np.testing.assert_array_equal(first[index], threads[index])
+
+
+def test_another_epoch_draws_again(feed, image_names):
+    one = _images(_loader(feed, image_names, [("random_roll", {})], epoch=0, shuffle=False,
+                          resize="squash", flip=0.0))
+    two = _images(_loader(feed, image_names, [("random_roll", {})], epoch=1, shuffle=False,
+                          resize="squash", flip=0.0))
+    assert sum(not np.array_equal(one[i], two[i]) for i in one) > N // 2
+
+
+def test_a_raising_transform_fails_its_sample_only(feed, image_names):
+    loader = _loader(feed, image_names, [("add_constant", {"value": 1}),
+                                         ("fail_sometimes", {"p": 0.2})], failure_budget=N)
+    images = _images(loader)
+    # The second transform's generator: (seed, epoch, index, 100 + its place).
+    expected = {i for i in range(N) if sample_rng(SEED, 0, i, 101).random() < 0.2}
+    assert expected and len(expected) < N
+    assert {index for index, _ in loader.failures} == expected
+    assert set(images) == set(range(N)) - expected
+    for _, reason in loader.failures:
+        assert "transform 'fail_sometimes' failed: RuntimeError: boom" in reason
+
+
+@pytest.mark.parametrize("transforms, words", [
+    ([("no_such_transform", {})], ["sample_transforms[0]", "unknown transform",
+                                   "'no_such_transform'", "random_roll"]),
+    ([("add_constant", {"value": 1}), ("add_constant", {"valu": 1})],
+     ["sample_transforms[1]", "'add_constant'", "no parameter 'valu'"]),
+    ([("add_constant", {"value": "ten"})], ["'add_constant'", "parameter 'value'",
+                                            "an integer"]),
+    ([("add_constant", {"value": 300})], ["'add_constant'", "value must be in -255..255"]),
+    ([("color_jitter", {"hue": 0.9})], ["'color_jitter'", "hue"]),
+])
+def test_bad_transforms_are_refused_at_open(feed, image_names, transforms, words):
+    with pytest.raises(FeedError) as refused:
+        _loader(feed, image_names, transforms)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    for word in words:
+        assert word in str(refused.value)
+
+
+def test_parameters_must_be_json(feed, image_names):
+    with pytest.raises(ValueError, match=r"transforms\[0\] 'add_constant'.*JSON"):
+        _loader(feed, image_names, [("add_constant", {"value": object()})])
+
+
+def test_a_plugin_that_does_not_import_stops_the_server(data_dir, plugin_path):
+    proc = ServerProcess(["--data-root", str(data_dir), "--plugins", "tmpplugins.missing"],
+                         env={"PYTHONPATH": str(plugin_path)}, timeout=30)
+    with pytest.raises(RuntimeError, match="did not become ready"):
+        proc.start()
+    assert proc.proc.wait(10) == 2
+    assert "--plugins tmpplugins.missing: cannot import it" in "".join(proc.log)
+
+
+def test_video_and_arrays_take_no_transforms(feed, data_dir, tmp_path):
+    arrays = data_dir / "plugin_arrays"
+    arrays.mkdir(exist_ok=True)
+    np.save(arrays / "a.npy", np.zeros((2, 2), np.float32))
+    with pytest.raises(FeedError, match="only image samples take sample transforms"):
+        feed.loader(["plugin_arrays/a.npy"], batch_size=1, transforms=["random_roll"])
