@@ -16,5 +16,6 @@ from .errors import FeedError
 from .feed import FeedClient
 from .fields import Field, metadata, split
 from .loader import Loader
+from .mixing import cutmix, mixup
 
-__all__ = ["FeedClient", "FeedError", "Field", "Loader", "metadata", "split"]
+__all__ = ["FeedClient", "FeedError", "Field", "Loader", "cutmix", "metadata", "mixup", "split"]

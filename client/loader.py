@@ -42,6 +42,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
@@ -55,6 +56,7 @@ __all__ = ["Loader"]
 
 _log = logging.getLogger(__name__)
 _MAX_BACKOFF = 2.0
+_MIXING = 0x6D6978  # batch_rng's stream: apart from any per-sample generator's
 
 
 class _Part:
@@ -92,6 +94,7 @@ class Loader:
         self.transport: str | None = None  # of the stream opened last: "inline", "shm", ...
         self.classes: list[str] = []  # with labels="folder": label i is classes[i]
         self.failures: list[tuple[int, str]] = []
+        self._position: int | None = None  # the last yielded batch's place in its pass
         try:
             for part in self._parts:
                 self._opened[part.index] = self._open_retrying(part)
@@ -116,6 +119,15 @@ class Loader:
         if None in totals:
             raise TypeError("a shared job's loader has no length: its consumers share the batches")
         return sum(totals)
+
+    def batch_rng(self) -> np.random.Generator:
+        """A generator for the batch last yielded, seeded by (seed, epoch, rank, its place in
+        the pass): mixup/cutmix (mixing.py) draw from it, so a resumed run repeats them."""
+        if self._position is None:
+            raise RuntimeError("batch_rng: no batch has been yielded yet")
+        request = self._request
+        return np.random.default_rng([request.seed, request.epoch, request.rank,
+                                      self._position, _MIXING])
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` (and its shuffle order) for the next pass, from its start
@@ -182,6 +194,7 @@ class Loader:
                 if batch is None:
                     del streams[part.index]
                 else:
+                    self._position = sum(p.consumed for p in self._parts) - 1
                     yield batch
         finally:
             for batches in streams.values():
