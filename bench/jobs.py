@@ -7,6 +7,10 @@ Each image row runs one job, in its own loader's best way:
   torchvision's ImageNet recipe) to H x W, then a horizontal flip with
   probability ``FLIP``, uint8.
 - ``train-f16``: the same, normalised (x / 255 - ``MEAN``) / ``STD``, float16.
+- ``train-aug``: ``train-u8``, then torchvision's ColorJitter(``JITTER``) and
+  TrivialAugmentWide on each image (gpufeed: its built-in sample transforms).
+- ``train-pyloop``: ``train-u8``, then a pure-Python transform that holds the GIL
+  (bench/gil_plugin.py): gpufeed on its decode threads against in worker processes.
 - ``eval``: evaluation, shorter side to ``shorter_side(size)`` (256 for 224),
   the centre H x W: the same pixels as scaling the centre box of
   H * s / 256 x W * s / 256 source pixels (s the source's shorter side) to H x W.
@@ -17,14 +21,17 @@ what the job asks for, so a row cannot look fast by doing less.
 
 from __future__ import annotations
 
-__all__ = ["FLIP", "JOBS", "MEAN", "RATIO", "SCALE", "STD", "centre_box", "check_batch",
-           "shorter_side"]
+__all__ = ["AUGMENT", "FLIP", "JITTER", "JOBS", "MEAN", "RATIO", "SCALE", "STD", "centre_box",
+           "check_batch", "shorter_side"]
 
 # Job -> its title in the table.
 JOBS = {
     "squash": "squash: the whole image to H x W, uint8",
     "train-u8": "training: random-resized-crop + flip, uint8",
     "train-f16": "training: random-resized-crop + flip, normalised float16",
+    "train-aug": "training: random-resized-crop + flip + ColorJitter + TrivialAugmentWide, uint8",
+    "train-pyloop": "training: random-resized-crop + flip + a GIL-holding pure-Python transform, "
+                    "uint8",
     "eval": "evaluation: shorter side 256, centre 224, uint8",
 }
 SCALE = (0.08, 1.0)  # the crop's share of the image's area
@@ -32,6 +39,9 @@ RATIO = (3 / 4, 4 / 3)  # the crop's width / height
 FLIP = 0.5
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
+# torchvision's ColorJitter arguments in the train-aug job (a common ImageNet recipe's).
+JITTER = {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.1}
+AUGMENT = [("color_jitter", JITTER), ("trivial_augment_wide", {})]
 
 
 def shorter_side(size: tuple[int, int]) -> int:

@@ -31,11 +31,12 @@ __all__ = ["main"]
 _HERE = Path(__file__).resolve().parent
 # Per job, gpufeed's row: every other row of the job is compared with it.
 _REFERENCES = {"squash": "gpufeed-shm", "train-u8": "gpufeed-shm-rrc-u8",
-               "train-f16": "gpufeed-shm-rrc", "eval": "gpufeed-shm-eval"}
+               "train-f16": "gpufeed-shm-rrc", "eval": "gpufeed-shm-eval",
+               "train-aug": "gpufeed-shm-aug", "train-pyloop": "gpufeed-shm-pyloop-processes"}
 # Issue 12's targets: gpufeed's images/s at least this many times the row's. And in
 # every job, gpufeed's CPU per image at or below the best peer's.
 _TARGETS = {"tf": 1.1, "tf-rrc-u8": 1.3, "dali-rrc-u8": 1.5, "tf-rrc": 1.3, "dali-rrc": 1.5,
-            "tf-eval": 1.2}
+            "tf-eval": 1.2, "torch-2-aug": 1.5}
 _PACKAGES = ("av", "torch", "pillow", "grpcio", "spdl", "tensorflow-cpu", "nvidia-dali-cuda120",
              "numpy")
 

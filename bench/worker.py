@@ -142,6 +142,19 @@ ROWS = {
                    "train-f16"),
     "dali-rrc": _row("DALI, CPU only (decoders.image_random_crop + resize + "
                      "crop_mirror_normalize)", "dali", "train-f16"),
+    # training with augmentations (issue 16): ColorJitter + TrivialAugmentWide, uint8
+    "gpufeed-shm-aug": _row("gpufeed -> trainer process, shm, random-resized-crop + flip + "
+                            "color_jitter + trivial_augment_wide", "gpufeed", "train-aug", "shm"),
+    "torch-2-aug": _row("torch DataLoader, 2 workers (Pillow random-resized-crop + flip, "
+                        "ColorJitter + TrivialAugmentWide in torch)", "torch_loader", "train-aug",
+                        2),
+    # a GIL-holding pure-Python sample transform: on the decode threads, or in processes
+    "gpufeed-shm-pyloop-threads": _row("gpufeed, shm, pure-Python transform on the decode "
+                                       "threads", "gpufeed", "train-pyloop", "shm",
+                                       "py_pixels"),
+    "gpufeed-shm-pyloop-processes": _row("gpufeed, shm, pure-Python transform in worker "
+                                         "processes (holds_gil=True)", "gpufeed",
+                                         "train-pyloop", "shm", "py_pixels_in_processes"),
     # evaluation: shorter side 256, centre 224, uint8
     "gpufeed-shm-eval": _row("gpufeed -> trainer process, shm, center_crop (shorter side 256)",
                              "gpufeed", "eval", "shm"),

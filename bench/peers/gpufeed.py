@@ -27,8 +27,8 @@ from .. import jobs
 from ..trainer import TrainerProcess
 
 
-def _options(job: str, size: tuple[int, int]) -> dict:
-    """The loader options that make gpufeed do ``job``."""
+def _options(job: str, size: tuple[int, int], transform: str = "") -> dict:
+    """The loader options that make gpufeed do ``job`` (``transform``: train-pyloop's)."""
     if job == "squash":
         return {}
     if job == "eval":
@@ -36,6 +36,10 @@ def _options(job: str, size: tuple[int, int]) -> dict:
     crop = dict(resize="random_resized_crop", scale=jobs.SCALE, ratio=jobs.RATIO, flip=jobs.FLIP)
     if job == "train-f16":
         crop.update(dtype="float16", mean=jobs.MEAN, std=jobs.STD)
+    if job == "train-aug":
+        crop.update(transforms=jobs.AUGMENT)
+    if job == "train-pyloop":
+        crop.update(transforms=[transform])
     return crop
 
 
@@ -52,15 +56,17 @@ def measure(loader, config, meter, job: str = "squash") -> None:
     meter.stop()
 
 
-def run(config, meter, job: str, transport: str) -> str:
+def run(config, meter, job: str, transport: str, transform: str = "") -> str:
     from gpufeed.client import FeedClient
     from gpufeed.server.process import ServerProcess
 
     size = tuple(config.size)
     args = ["--data-root", config.root, "--threads", str(config.threads)]
+    if transform:
+        args += ["--plugins", "bench.gil_plugin"]
     with ServerProcess(args) as server, FeedClient(server.address) as feed:
         loader = feed.loader(files=config.list_file, batch_size=config.batch_size,
-                             size=size, transport=transport, **_options(job, size))
+                             size=size, transport=transport, **_options(job, size, transform))
         measure(loader, config, meter, job)
         if loader.transport != transport:
             raise RuntimeError(f"asked for {transport}, the server chose {loader.transport}")

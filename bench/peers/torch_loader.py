@@ -11,6 +11,8 @@ does not import here, so its steps are written out with Pillow and torch):
   H x W in one Pillow ``resize(box=...)`` (crop and bilinear scale, without
   copying the crop), a horizontal flip with probability 0.5; uint8, or
   ``x / 255``, normalised, float16 (``ToTensor`` + ``Normalize`` + half).
+- training with augmentations: the training image, then ColorJitter and
+  TrivialAugmentWide as torch operations on the [3, H, W] tensor.
 - evaluation: the centre box a shorter side of 256 and a centre 224 keep,
   scaled to H x W in one ``resize(box=...)``: ``Resize(256)`` +
   ``CenterCrop(224)`` without the intermediate image.
@@ -58,10 +60,33 @@ class _Images:
                 if torch.rand(()) < jobs.FLIP:
                     out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         chw = np.asarray(out).transpose(2, 0, 1)
+        if self.job == "train-aug":
+            return _augmented(chw.copy())
         if self.job != "train-f16":
             return torch.from_numpy(chw.copy())
         image = torch.from_numpy(chw.astype(np.float32))
         return image.mul_(_SCALE).sub_(_SHIFT).half()  # (x / 255 - mean) / std
+
+
+_augment = None
+
+
+def _augmented(chw: np.ndarray) -> torch.Tensor:
+    """ColorJitter then TrivialAugmentWide on one uint8 [3, H, W] image, in torch: the
+    operations torchvision.transforms.v2 runs on a tensor (gpufeed's built-ins compute
+    the same ones, and torchvision does not import here). Draws from torch's generator,
+    which DataLoader seeds per worker."""
+    global _augment
+    if _augment is None:  # once per worker
+        from gpufeed.server.media import augment
+
+        _augment = (augment.color_jitter(**jobs.JITTER), augment.trivial_augment_wide())
+    rng = np.random.default_rng(int(torch.randint(0, 2**62, ()).item()))
+    sample = {"image": chw}
+    for step in _augment:
+        sample = step(sample, rng)
+    image = sample["image"]
+    return image if isinstance(image, torch.Tensor) else torch.from_numpy(image)
 
 
 # (x / 255 - mean) / std as one multiply and one subtract per pixel and channel.

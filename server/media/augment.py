@@ -254,7 +254,7 @@ def color_jitter(brightness: float | list[float] = 0.0, contrast: float | list[f
     def apply(sample: dict, rng: np.random.Generator) -> dict:
         order = rng.permutation(4)
         drawn = [None if r is None else float(rng.uniform(*r)) for r in ranges]
-        image = torch.from_numpy(sample["image"])
+        image = torch.as_tensor(sample["image"])
         for i in order:
             if drawn[i] is not None:
                 image = kernels[i](image, drawn[i])
@@ -346,7 +346,7 @@ def trivial_augment_wide(num_magnitude_bins: int = 31,
             magnitude = float(magnitudes[int(rng.integers(num_magnitude_bins))])
             if signed and rng.random() <= 0.5:
                 magnitude = -magnitude
-        sample["image"] = apply_wide_op(torch.from_numpy(sample["image"]), op, magnitude, pixels)
+        sample["image"] = apply_wide_op(torch.as_tensor(sample["image"]), op, magnitude, pixels)
         return sample
 
     return apply
@@ -384,17 +384,18 @@ def random_erasing(p: float = 0.5, scale: Sequence[float] = (0.02, 0.33),
     if len(values) not in (1, 3) or not all(0 <= v <= 255 for v in values):
         raise ValueError(f"value must be a number or three numbers in [0, 255] (uint8 "
                          f"pixels), got {value}")
-    fill = np.asarray(values, dtype=np.float64).astype(np.uint8).reshape(-1, 1, 1)
+    fill = torch.tensor(values, dtype=torch.float64).to(torch.uint8).view(-1, 1, 1)
     box_scale, box_ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
 
     def apply(sample: dict, rng: np.random.Generator) -> dict:
         if rng.random() >= p:
             return sample
-        image = sample["image"]
+        image = torch.as_tensor(sample["image"])  # the row itself, erased in place
         box = erasing_box(rng, image.shape[-2], image.shape[-1], box_scale, box_ratio)
         if box is not None:
             top, left, h, w = box
             image[..., top:top + h, left:left + w] = fill
+        sample["image"] = image
         return sample
 
     return apply
