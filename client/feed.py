@@ -55,7 +55,8 @@ def _sample_transforms(transforms: Sequence[str | tuple[str, dict]]
     """Names with JSON parameters: what a request may carry (the server checks them)."""
     specs = []
     for i, item in enumerate(transforms):
-        name, params = (item, {}) if isinstance(item, str) else item
+        name, params = (item, {}) if isinstance(item, str) else \
+            tuple(item) if isinstance(item, (tuple, list)) and len(item) == 2 else (None, None)
         if not isinstance(name, str) or not isinstance(params, dict):
             raise ValueError(f"transforms[{i}] must be a name or (name, dict of parameters), "
                              f"got {item!r}")

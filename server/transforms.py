@@ -3,6 +3,7 @@
 A plugin is a Python module the operator names with ``gpufeed-server --plugins
 mypkg.transforms``; importing it registers its transforms::
 
+    import numpy as np
     from gpufeed.server import transforms
 
     @transforms.register("posterize")

@@ -220,3 +220,11 @@ def test_video_and_arrays_take_no_transforms(feed, data_dir, tmp_path):
     np.save(arrays / "a.npy", np.zeros((2, 2), np.float32))
     with pytest.raises(FeedError, match="only image samples take sample transforms"):
         feed.loader(["plugin_arrays/a.npy"], batch_size=1, transforms=["random_roll"])
+
+
+def test_a_state_saved_with_other_transforms_is_refused(feed, image_names):
+    state = _loader(feed, image_names, [("random_roll", {"shift": 6})]).state_dict()
+    other = _loader(feed, image_names, [("random_roll", {"shift": 5})])
+    with pytest.raises(ValueError, match="sample_transforms differs"):
+        other.load_state_dict(state)
+    _loader(feed, image_names, [("random_roll", {"shift": 6})]).load_state_dict(state)
