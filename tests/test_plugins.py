@@ -115,6 +115,17 @@ def test_a_plugin_transform_runs_on_every_sample(feed, image_names):
         np.testing.assert_array_equal(lifted[index], expected, err_msg=f"sample {index}")
 
 
+def test_transforms_see_uint8_rows_before_the_batch_pass(feed, image_names):
+    """With a float output the transform still sees the decoded uint8 row; x / 255 after."""
+    plain = _images(_loader(feed, image_names))
+    floats = _images(_loader(feed, image_names, [("add_constant", {"value": 40})],
+                             dtype="float32", layout="NHWC"))
+    for index, image in plain.items():
+        expected = np.clip(image.astype(np.int16) + 40, 0, 255).astype(np.float32) / 255
+        np.testing.assert_allclose(floats[index], expected.transpose(1, 2, 0), rtol=0,
+                                   atol=1e-6, err_msg=f"sample {index}")
+
+
 def test_the_example_plugin_serves(feed, image_names):
     plain = _images(_loader(feed, image_names))
     noisy = _images(_loader(feed, image_names, [("gaussian_noise", {"sigma": 20.0}),

@@ -139,7 +139,7 @@ class _Processes:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(
                     self.workers, mp_context=multiprocessing.get_context("spawn"),
-                    initializer=registry.load, initargs=(registry.loaded_modules(),))
+                    initializer=_start_worker, initargs=(registry.loaded_modules(),))
             return self._pool
 
     def shutdown(self) -> None:
@@ -163,6 +163,13 @@ def shutdown_processes() -> None:
 
 
 _made: dict[tuple[str, str], registry.SampleFn] = {}  # a worker's transforms, by request
+
+
+def _start_worker(modules: tuple[str, ...]) -> None:
+    """A worker process's start: the server's transform modules, and torch on one thread
+    (the workers are the parallelism; idle intra-op threads would spin on the cores)."""
+    torch.set_num_threads(1)
+    registry.load(modules)
 
 
 def _run_in_worker(name: str, params_json: str, key: tuple, fields: dict) -> dict:
