@@ -137,6 +137,9 @@ def names() -> list[str]:
 
 
 def lookup(name: str) -> Registered:
+    """The transform ``name``; TransformError listing what there is if there is none."""
+    if not _loaded:  # a server embedded without FeedServer still has the built-ins
+        load()
     found = _registry.get(name)
     if found is None:
         raise TransformError(f"unknown transform {name!r} (this server has: "
