@@ -239,3 +239,40 @@ def test_a_state_saved_with_other_transforms_is_refused(feed, image_names):
     with pytest.raises(ValueError, match="sample_transforms differs"):
         other.load_state_dict(state)
     _loader(feed, image_names, [("random_roll", {"shift": 6})]).load_state_dict(state)
+
+
+def test_a_worker_process_that_dies_fails_its_sample_and_the_pool_starts_anew(tmp_path,
+                                                                              monkeypatch):
+    """A GIL-holding transform whose worker process dies (a crash in a C extension, say):
+    that sample fails, naming the transform; the next sample gets a fresh pool."""
+    from gpufeed.server import transforms
+    from gpufeed.server.media import pipeline
+    from gpufeed.v1 import feed_pb2
+
+    (tmp_path / "dying_plugin.py").write_text(textwrap.dedent('''
+        import os
+        from gpufeed.server import transforms
+
+        @transforms.register("die_on_odd", holds_gil=True)
+        def die_on_odd():
+            def apply(sample, rng):
+                if sample["image"][0, 0, 0] % 2:
+                    os._exit(3)
+                sample["image"][...] = 7
+                return sample
+            return apply
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned workers inherit sys.path
+    transforms.load(["dying_plugin"])
+    steps = pipeline.SampleTransforms.from_request(
+        [feed_pb2.SampleTransform(name="die_on_odd")], seed=0, epoch=0)
+    arrays = {"image": np.zeros((3, 3, 4, 4), np.uint8)}
+    arrays["image"][1] = 1
+    try:
+        steps.apply(arrays, 0, 0)
+        with pytest.raises(pipeline.TransformFailed, match="transform 'die_on_odd' failed"):
+            steps.apply(arrays, 1, 1)
+        steps.apply(arrays, 2, 2)
+    finally:
+        pipeline.shutdown_processes()
+    assert (arrays["image"][[0, 2]] == 7).all() and (arrays["image"][1] == 1).all()
