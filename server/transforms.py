@@ -28,7 +28,8 @@ raises refuses the request with INVALID_ARGUMENT naming the transform. Clients
 send names and JSON values only, never code.
 
 The per-sample function gets the sample's fields, a dict of name -> numpy array
-(``image`` is the decoded uint8 [3, H, W] row, after the crop and flip), and a
+(``image`` is the decoded uint8 [3, H, W] row, after the crop and flip; ``mask``,
+``boxes``, ``meta`` when the request has those fields: media/fields.py), and a
 ``numpy.random.Generator`` seeded by (seed, epoch, sample index, the
 transform's place in the request): all its randomness must come from it, so that
 a pass is reproducible and resumes exactly. It returns the dict, its arrays

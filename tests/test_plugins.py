@@ -45,6 +45,15 @@ def fail_sometimes(p: float = 0.5):
     return apply
 
 
+@transforms.register("black_under_mask")
+def black_under_mask():
+    def apply(sample, rng):
+        sample["image"][:, sample["mask"] > 0] = 0
+        return sample
+
+    return apply
+
+
 def _roll(shift: int = 5):
     def apply(sample, rng):
         image = sample["image"]  # changed in place
@@ -276,3 +285,35 @@ def test_a_worker_process_that_dies_fails_its_sample_and_the_pool_starts_anew(tm
     finally:
         pipeline.shutdown_processes()
     assert (arrays["image"][[0, 2]] == 7).all() and (arrays["image"][1] == 1).all()
+
+
+def test_a_transform_sees_the_samples_fields(feed, data_dir, image_names):
+    """With fields=["mask"], a transform gets the mask row, cropped and flipped as the image."""
+    from PIL import Image
+
+    folder = data_dir / "plugin_masks"
+    folder.mkdir(exist_ok=True)
+    names = []
+    for i, name in enumerate(image_names[:8]):
+        (folder / name).write_bytes((data_dir / name).read_bytes())
+        with Image.open(data_dir / name) as im:
+            width, height = im.size
+        mask = np.zeros((height, width), np.uint8)
+        mask[:, : width // (2 + i % 3)] = 1 + i
+        Image.fromarray(mask).save(folder / name.replace(".jpg", ".png"))
+        names.append(f"plugin_masks/{name}")
+    kw = dict(batch_size=4, size=SIZE, resize="random_resized_crop", flip=0.5, seed=SEED,
+              transport="inline", fields=["mask"])
+    plain = {}
+    for batch in feed.loader(names, **kw):
+        for index, image, mask in zip(batch["index"].tolist(), batch["image"], batch["mask"]):
+            plain[index] = (image.numpy().copy(), mask.numpy().copy())
+    masked = _images(feed.loader(names, transforms=["black_under_mask"], **kw))
+    assert sorted(masked) == list(range(8))
+    both = 0  # samples whose crop holds masked and unmasked pixels
+    for index, (image, mask) in plain.items():
+        both += bool((mask > 0).any() and (mask == 0).any())
+        expected = image.copy()
+        expected[:, mask > 0] = 0
+        np.testing.assert_array_equal(masked[index], expected, err_msg=f"sample {index}")
+    assert both > 0
