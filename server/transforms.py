@@ -40,6 +40,12 @@ over pixels): the server then runs it in a small process pool instead of on the
 decode threads, which would only take turns at it. numpy and torch release the
 GIL in their kernels; leave the flag off for them (bench/README.md measured the
 two).
+
+``moves_image=True`` says the transform moves the image's pixels (rotate, shear,
+translate) without moving the other fields: a request that also has a ``mask``
+or ``boxes`` field is refused at open, since its masks and boxes would no longer
+match the image. A geometric transform that moves every field itself leaves the
+flag off.
 """
 
 from __future__ import annotations
@@ -71,12 +77,14 @@ class TransformError(ValueError):
 
 @dataclass(frozen=True)
 class Registered:
-    """A registered transform: its name, factory, and whether it holds the GIL."""
+    """A registered transform: its name, factory, whether it holds the GIL, and whether it
+    moves the image alone."""
 
     name: str
     factory: Callable[..., SampleFn]
     holds_gil: bool
     module: str
+    moves_image: bool = False
 
     def make(self, params: dict) -> SampleFn:
         """The per-sample function for ``params``; TransformError naming what is wrong."""
@@ -100,7 +108,7 @@ _registry: dict[str, Registered] = {}
 _loaded: list[str] = []
 
 
-def register(name: str, *, holds_gil: bool = False
+def register(name: str, *, holds_gil: bool = False, moves_image: bool = False
              ) -> Callable[[Callable[..., SampleFn]], Callable[..., SampleFn]]:
     """Register the decorated factory as the transform ``name`` (see the module's text)."""
     if not name or not name.replace("_", "").isalnum():
@@ -111,7 +119,7 @@ def register(name: str, *, holds_gil: bool = False
         if known is not None and known.factory.__qualname__ != factory.__qualname__:
             raise ValueError(f"transform {name!r} is registered twice ({known.module} and "
                              f"{factory.__module__})")
-        _registry[name] = Registered(name, factory, holds_gil, factory.__module__)
+        _registry[name] = Registered(name, factory, holds_gil, factory.__module__, moves_image)
         return factory
 
     return decorate

@@ -317,3 +317,24 @@ def test_a_transform_sees_the_samples_fields(feed, data_dir, image_names):
         expected[:, mask > 0] = 0
         np.testing.assert_array_equal(masked[index], expected, err_msg=f"sample {index}")
     assert both > 0
+
+
+def test_a_transform_that_moves_the_image_alone_is_refused_beside_a_mask(feed, data_dir,
+                                                                         image_names):
+    """trivial_augment_wide may rotate the image but not its mask: with fields=["mask"] the
+    request is refused at open, naming the transform; colour changes stay allowed."""
+    from PIL import Image
+
+    folder = data_dir / "plugin_moved"
+    folder.mkdir(exist_ok=True)
+    name = image_names[0]
+    (folder / name).write_bytes((data_dir / name).read_bytes())
+    with Image.open(data_dir / name) as im:
+        Image.new("L", im.size).save(folder / name.replace(".jpg", ".png"))
+    kw = dict(batch_size=1, size=SIZE, fields=["mask"])
+    with pytest.raises(FeedError) as info:
+        feed.loader([f"plugin_moved/{name}"], transforms=["trivial_augment_wide"], **kw)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sample_transforms[0]" in str(info.value) and "mask" in str(info.value)
+    (batch,) = list(feed.loader([f"plugin_moved/{name}"], transforms=["color_jitter"], **kw))
+    assert batch["mask"].shape[0] == 1

@@ -328,7 +328,7 @@ def _fill(fill: float | list[float] | None) -> list[float] | None:
     return values
 
 
-@register("trivial_augment_wide")
+@register("trivial_augment_wide", moves_image=True)
 def trivial_augment_wide(num_magnitude_bins: int = 31,
                          fill: float | list[float] | None = None) -> SampleFn:
     """torchvision.transforms.v2.TrivialAugmentWide: one operation drawn uniformly, at a

@@ -62,17 +62,26 @@ class SampleTransforms:
         self._seed, self._epoch = seed, epoch
 
     @classmethod
-    def from_request(cls, specs: Iterable, seed: int, epoch: int) -> SampleTransforms | None:
+    def from_request(cls, specs: Iterable, seed: int, epoch: int,
+                     fields: Iterable[str] = ()) -> SampleTransforms | None:
         """The transforms ``specs`` (SampleTransform messages) name; None for none.
-        ValueError naming ``sample_transforms[i]`` and the transform when one is unknown
-        or its parameters are not what it takes."""
+        ValueError naming ``sample_transforms[i]`` and the transform when one is unknown,
+        its parameters are not what it takes, or it moves the image alone while the
+        request's ``fields`` include a mask or boxes (they would no longer match)."""
         steps = []
+        moved_with_image = sorted({"mask", "boxes"} & set(fields))
         for i, spec in enumerate(specs):
             try:
                 found = registry.lookup(spec.name)
                 fn = found.make(registry.parse_params(spec.name, spec.params_json))
             except registry.TransformError as e:
                 raise ValueError(f"sample_transforms[{i}]: {e}") from None
+            if found.moves_image and moved_with_image:
+                raise ValueError(f"sample_transforms[{i}]: {spec.name!r} moves the image's "
+                                 f"pixels but not the fields {', '.join(moved_with_image)}, "
+                                 f"which would no longer match the image; leave it out of "
+                                 f"this request (photometric transforms such as "
+                                 f"color_jitter keep them matching)")
             steps.append(_Step(spec.name, spec.params_json, fn, found.holds_gil))
         return cls(steps, seed, epoch) if steps else None
 

@@ -163,7 +163,7 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
             reader = ShardRows(transform, shards, fields)
             paths = reader.paths
         layout = _image_layout(req.batch_size, transform, extra, fields)
-    sample_transforms = _sample_transforms(req, kind)
+    sample_transforms = _sample_transforms(req, kind, fields)
 
     prefetch = req.prefetch or limits.default_prefetch
     if not 0 < prefetch <= limits.max_prefetch:
@@ -313,7 +313,8 @@ def _pixels(req: feed_pb2.StreamRequest, kind: str, fields: SampleFields | None 
     return transform, ImageRows(transform, fields)
 
 
-def _sample_transforms(req: feed_pb2.StreamRequest, kind: str) -> SampleTransforms | None:
+def _sample_transforms(req: feed_pb2.StreamRequest, kind: str,
+                       fields: SampleFields | None) -> SampleTransforms | None:
     """The request's named transforms, made from their parameters (server/transforms.py)."""
     if not req.sample_transforms:
         return None
@@ -321,7 +322,8 @@ def _sample_transforms(req: feed_pb2.StreamRequest, kind: str) -> SampleTransfor
         raise _invalid("sample_transforms: only image samples take sample transforms "
                        "(not video clips or array files)")
     try:
-        return SampleTransforms.from_request(req.sample_transforms, req.seed, req.epoch)
+        return SampleTransforms.from_request(req.sample_transforms, req.seed, req.epoch,
+                                             fields.sidecars if fields else ())
     except ValueError as e:
         raise _invalid(str(e)) from None
 
