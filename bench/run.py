@@ -43,7 +43,8 @@ _PACKAGES = ("av", "torch", "pillow", "grpcio", "spdl", "tensorflow-cpu", "nvidi
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    p.add_argument("--images", type=int, default=2000, help="JPEGs in the set (default %(default)s)")
+    p.add_argument("--images", type=int, default=2000,
+                   help="JPEGs in the set (default %(default)s)")
     p.add_argument("--data-dir", type=Path, default=_HERE / "data",
                    help="where sets are built and reused (default bench/data)")
     p.add_argument("--out", type=Path, default=_HERE / "results",
@@ -69,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1,
                    help="rows run at once (default 1). Anything above 1 is for smoke runs only: "
                         "rows running together share the cores and disturb each other's figures")
-    p.add_argument("--row-timeout", type=float, default=300.0, help="seconds before a row is killed")
+    p.add_argument("--row-timeout", type=float, default=300.0,
+                   help="seconds before a row is killed")
     return p
 
 

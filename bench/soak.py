@@ -48,9 +48,11 @@ _SHM = "/dev/shm"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--minutes", type=float, default=10.0, help="how long to stream (default %(default)s)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="how long to stream (default %(default)s)")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
-    p.add_argument("--images", type=int, default=2000, help="JPEGs in the set (default %(default)s)")
+    p.add_argument("--images", type=int, default=2000,
+                   help="JPEGs in the set (default %(default)s)")
     p.add_argument("--data-dir", type=Path, default=_HERE / "data")
     p.add_argument("--out", type=Path, default=_HERE / "results")
     p.add_argument("--batch-size", type=int, default=32)
@@ -63,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="clean, adversarial, or both: a clean first half, then the adversarial "
                         "mix beside the trainers (default %(default)s)")
     p.add_argument("--idle-calls", type=int, default=4,
-                   help="adversarial calls held open at a time without `open` (default %(default)s)")
+                   help="adversarial calls held open at a time without `open` "
+                        "(default %(default)s)")
     p.add_argument("--tolerance-mb", type=float, default=10.0)
     p.add_argument("--tolerance-pct", type=float, default=5.0)
     return p
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
     bad_files = (make_bad_files(data.root, (data.root / data.names[0]).read_bytes())
                  if args.mix != "clean" else [])
     shm_before = set(_shm_entries())
-    server = ServerProcess(["--data-root", str(data.root.resolve()), "--threads", str(args.threads)])
+    server = ServerProcess(["--data-root", str(data.root.resolve()),
+                            "--threads", str(args.threads)])
     server.start()
     pid = server.proc.pid
     server_id = _server_id(pid, shm_before)
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
             status = _status(pid)
             images = [t.images for t in trainers]
             sample = {
-                "t": now - started, "due": next_at - started, "rss_kb": status["VmRSS"], "hwm_kb": status["VmHWM"],
+                "t": now - started, "due": next_at - started,
+                "rss_kb": status["VmRSS"], "hwm_kb": status["VmHWM"],
                 "phase": "adversarial" if attacked else "clean",
                 "rss_anon_kb": status.get("RssAnon", 0), "rss_shmem_kb": status.get("RssShmem", 0),
                 "rss_file_kb": status.get("RssFile", 0),
@@ -195,8 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
                  f"{sample['rss_anon_kb'] / 1024:7.1f} | {sample['rss_shmem_kb'] / 1024:8.1f} | "
                  f"{sample['hwm_kb'] / 1024:6.1f} | {sample['fds']:3d} | "
                  f"{sample['deleted_shm_fds']:15d} | {sample['shm_mappings']:8d} | "
-                 f"{sample['threads']:7d} | {sample['shm_segments'] if server_id else '?':>9} | " +
-                 " | ".join(f"{sample['images_per_second'][t]:{len(t) + 6}.0f}" for t in transports))
+                 f"{sample['threads']:7d} | "
+                 f"{sample['shm_segments'] if server_id else '?':>9} | " +
+                 " | ".join(f"{sample['images_per_second'][t]:{len(t) + 6}.0f}"
+                            for t in transports))
             dead = [t for t in trainers if t.proc.poll() is not None]
             if dead:
                 stopped_early = "; ".join(f"trainer ({t.transport}) exited: {t.error or 'no error'}"
@@ -222,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     leftovers = _shm_entries(server_id) if server_id else sorted(set(_shm_entries()) - shm_before)
     report = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(["python -m bench.soak", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m bench.soak",
+                             *(argv if argv is not None else sys.argv[1:])]),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "data_set": data.describe(),
         "cores": len(os.sched_getaffinity(0)),
@@ -241,8 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
     report["verdict"] = _verdict(report, args)
     print(format_table(report), flush=True)
     if attacks:
-        print("adversarial calls: " + "; ".join(f"{what}: {n}" for what, n in sorted(attacks.items())),
-              flush=True)
+        print("adversarial calls: "
+              + "; ".join(f"{what}: {n}" for what, n in sorted(attacks.items())), flush=True)
     print(report["verdict"]["line"], flush=True)
     _say(f"wrote {write_report(report, args.out, 'soak', 'soak-latest.json')}")
     return report
@@ -260,8 +268,8 @@ def _per_minute(samples: list[dict], transports: list[str]) -> list[dict]:
         group = minutes[m]
         t0 = previous["t"] if previous else 0.0
         t1 = group[-1]["t"]
-        rates = {t: (group[-1]["images"][t] - (previous["images"][t] if previous else 0)) / (t1 - t0)
-                 for t in transports}
+        rates = {t: (group[-1]["images"][t] - (previous["images"][t] if previous else 0))
+                 / (t1 - t0) for t in transports}
         out.append({
             "minute": m + 1,
             "rss_mb_mean": sum(s["rss_kb"] for s in group) / len(group) / 1024,
@@ -272,7 +280,7 @@ def _per_minute(samples: list[dict], transports: list[str]) -> list[dict]:
                              if "rss_anon_kb" in group[0] else None),
             "shmem_mb_mean": (sum(s["rss_shmem_kb"] for s in group) / len(group) / 1024
                               if "rss_shmem_kb" in group[0] else None),
-            "deleted_shm_fds_max": max((s.get("deleted_shm_fds", -1) for s in group)),
+            "deleted_shm_fds_max": max(s.get("deleted_shm_fds", -1) for s in group),
             "fds_min": min(s["fds"] for s in group), "fds_max": max(s["fds"] for s in group),
             "threads_max": max(s["threads"] for s in group),
             "images_per_second": rates,
@@ -329,7 +337,8 @@ def _verdict(report: dict, args) -> dict:
             f"{first['shmem_mb_mean']:.0f} -> {last['shmem_mb_mean']:.0f} MB"
             if first.get("anon_mb_mean") else "")
     clean = not report["shm_left_behind"] and report["server_exit_code"] == 0
-    line = (f"verdict: RSS {'flat' if flat else 'GROWING'}: first minute {first['rss_mb_mean']:.1f} MB, "
+    line = (f"verdict: RSS {'flat' if flat else 'GROWING'}: "
+            f"first minute {first['rss_mb_mean']:.1f} MB, "
             f"last minute (minute {last['minute']}) {last['rss_mb_mean']:.1f} MB "
             f"({growth:+.1f} MB, {pct:+.1f}%; flat means within {allowed:.0f} MB{since_2}{anon}); "
             f"fds {'flat' if fds_flat else 'GROWING'}: min {min(fds)}, max {max(fds)} "
@@ -338,8 +347,8 @@ def _verdict(report: dict, args) -> dict:
             f"/dev/shm left behind: {len(report['shm_left_behind'])}"
             + _throughput(report.get("phases", {}))
             + (f"; STOPPED EARLY: {report['stopped_early']}" if report["stopped_early"] else ""))
-    return {"flat": flat, "rss_growth_from_minute_2_mb": (last["rss_mb_mean"] - second["rss_mb_mean"]
-                                                          if second else None),
+    growth_from_2 = last["rss_mb_mean"] - second["rss_mb_mean"] if second else None
+    return {"flat": flat, "rss_growth_from_minute_2_mb": growth_from_2,
             "fds_flat": fds_flat, "clean_exit": clean, "rss_growth_mb": growth,
             "rss_growth_pct": pct, "fds_min": min(fds), "fds_max": max(fds), "line": line}
 
@@ -353,7 +362,8 @@ def format_table(report: dict) -> str:
              "|---:|---:|---:|---:|---:|---:|" + "---:|" * len(transports) + "---:|"]
     for m in report["minutes"]:
         lines.append(f"| {m['minute']} | {m['rss_mb_mean']:.0f} ({m['rss_mb_min']:.0f}-"
-                     f"{m['rss_mb_max']:.0f}) | {_mb(m['anon_mb_mean'])} / {_mb(m['shmem_mb_mean'])} | "
+                     f"{m['rss_mb_max']:.0f}) | "
+                     f"{_mb(m['anon_mb_mean'])} / {_mb(m['shmem_mb_mean'])} | "
                      f"{m['fds_min']}-{m['fds_max']} | "
                      f"{m['deleted_shm_fds_max'] if m['deleted_shm_fds_max'] >= 0 else '–'} | "
                      f"{m['threads_max']} | " +

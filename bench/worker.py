@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from .measure import Meter
 from .peers import Unavailable

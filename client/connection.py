@@ -97,7 +97,8 @@ class Connection:
             same_shm = (feed_pb2.TRANSPORT_SHM in info.transports
                         and shares_shm(info.shm_probe.name, info.shm_probe.token))
             if not same_shm:
-                self._auto, why = feed_pb2.TRANSPORT_INLINE, "cannot see the server's /dev/shm probe"
+                why = "cannot see the server's /dev/shm probe"
+                self._auto = feed_pb2.TRANSPORT_INLINE
             elif feed_pb2.TRANSPORT_CUDA_IPC in info.transports and _sees_gpu(info.gpu_uuid):
                 self._auto, why = feed_pb2.TRANSPORT_CUDA_IPC, f"same host and GPU {info.gpu_uuid}"
             else:

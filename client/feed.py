@@ -144,8 +144,8 @@ class FeedClient:
         "uint8", or "float32"/"float16"/"bfloat16" for x / 255, then (x - mean) /
         std when ``mean`` and ``std`` are given. ``layout``: "NCHW" or "NHWC".
         Random choices depend on (seed, epoch, sample) only. ``epoch`` is the
-        first pass's; each new pass is the next epoch unless ``set_epoch`` chose one. Video files need
-        ``clip=(frames, stride)``: each sample is ``image`` [frames, 3, H, W],
+        first pass's; each new pass is the next epoch unless ``set_epoch`` chose
+        one. Video files need ``clip=(frames, stride)``: each sample is ``image`` [frames, 3, H, W],
         from a random start with ``random_clip`` (training), else centred.
         Array files (.npy, .npz, .pt) need no ``size``: each key of the file is
         a tensor of that name ("array" for .npy). uint8 is 2-4x less

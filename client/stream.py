@@ -12,7 +12,6 @@ import queue
 import time
 from collections.abc import Iterator
 
-import grpc
 import torch
 
 from gpufeed.v1 import feed_pb2

@@ -5,10 +5,11 @@ server, DATA named as the server names it (relative to one of its
 ``--data-root`` directories). Training batches are random-resized crops with
 flips, normalised by the server; evaluation is a centre crop with the folder
 labels, numbered from the training set's class folders (``classes=train.classes``),
-so a validation set missing a class, even its folder, keeps the training numbers. Every ``--checkpoint-every`` steps the model,
-the optimiser and the loader's position go to ``--checkpoint``; started again
-with the same arguments, the script resumes from there, mid-epoch, at the
-sample after the last one it trained on.
+so a validation set missing a class, even its folder, keeps the training
+numbers. Every ``--checkpoint-every`` steps the model, the optimiser and the
+loader's position go to ``--checkpoint``; started again with the same
+arguments, the script resumes from there, mid-epoch, at the sample after the
+last one it trained on.
 
     gpufeed-server --data-root /data --listen 127.0.0.1:50051 &
     python examples/train_imagefolder.py --server 127.0.0.1:50051 --data imagenette

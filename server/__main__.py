@@ -11,9 +11,9 @@ import threading
 import gpufeed
 
 try:
-    from .media import jpeg
     from .app import FeedServer, ServerConfig, default_threads
     from .auth import read_token
+    from .media import jpeg
     from .memory.budget import default_memory_bytes
     from .serving.request import Limits
 except ModuleNotFoundError as e:
@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="port for Prometheus /metrics, on the --listen host (0: off)")
-    p.add_argument("--max-streams", type=int, default=64, help="concurrent streams (default %(default)s)")
+    p.add_argument("--max-streams", type=int, default=64,
+                   help="concurrent streams (default %(default)s)")
     p.add_argument("--max-waiting-calls", type=int, default=ServerConfig.max_waiting_calls,
                    help="calls that have not sent their first message (a Stream its request) "
                         "at once, refused past it; as many health Watch / reflection calls "

@@ -19,18 +19,18 @@ from gpufeed.v1 import feed_pb2
 
 from . import transforms
 from .auth import TokenInterceptor, server_credentials
-from .serving.calls import CallGate, worker_threads
 from .media.decode import DEFAULT_MAX_PIXELS
 from .media.pipeline import set_process_count, shutdown_processes
+from .memory.shm import ShmNamespace
 from .metrics import ServerMetrics
-from .storage.paths import DEFAULT_MAX_FILE_BYTES
-from .storage.roots import Storage
+from .serving.calls import CallGate, worker_threads
 from .serving.pool import DecodePool
 from .serving.request import Limits
 from .serving.service import FeedServicer
-from .memory.shm import ShmNamespace
 from .serving.watchdog import Watchdog
 from .serving.wire import add_feed_servicer
+from .storage.paths import DEFAULT_MAX_FILE_BYTES
+from .storage.roots import Storage
 
 __all__ = ["FeedServer", "ServerConfig"]
 

@@ -28,7 +28,8 @@ def synthetic_photo(rng: np.random.Generator, height: int, width: int) -> np.nda
     image = np.empty((height, width, 3), np.float32)
     for c in range(3):
         fy, fx, py, px = rng.uniform(0.5, 6, 2).tolist() + rng.uniform(0, 6.3, 2).tolist()
-        image[..., c] = 0.5 + 0.25 * np.sin(2 * np.pi * fy * y + py) * np.cos(2 * np.pi * fx * x + px)
+        wave = np.sin(2 * np.pi * fy * y + py) * np.cos(2 * np.pi * fx * x + px)
+        image[..., c] = 0.5 + 0.25 * wave
     for _ in range(int(rng.integers(3, 8))):  # a few flat-coloured discs: sharp edges
         cy, cx, r = rng.uniform(0, 1, 3)
         inside = (y - cy) ** 2 + (x - cx) ** 2 < (0.05 + 0.2 * r) ** 2
@@ -48,7 +49,9 @@ def encode_jpeg(rgb: np.ndarray, qscale: int = 3) -> bytes:
 
 
 def make_dataset(directory: Path, count: int, seed: int = 0, progress: bool = False) -> Path:
-    """``count`` JPEGs of 320..640 x 240..480 in ``directory`` and a list file; reused if present."""
+    """``count`` JPEGs of 320..640 x 240..480 in ``directory`` and a list file.
+
+    Reused if present."""
     list_file = directory / _LIST_FILE
     if list_file.exists() and len(list_file.read_text().split()) == count:
         return list_file
@@ -106,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  epoch {epoch}: {images:5d} images, {images / elapsed:7.1f} img/s",
                           flush=True)
             elapsed = time.perf_counter() - start
-            print(f"epoch {epoch}: {images} images in {elapsed:.2f} s = {images / elapsed:.1f} img/s "
-                  f"over {loader.transport}", flush=True)
+            print(f"epoch {epoch}: {images} images in {elapsed:.2f} s = "
+                  f"{images / elapsed:.1f} img/s over {loader.transport}", flush=True)
     return 0
 
 

@@ -22,16 +22,25 @@ import math
 import threading
 
 import numpy as np
-from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, PlatformCollector,
-                               ProcessCollector, start_http_server)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import gpufeed
 from gpufeed.v1 import feed_pb2
 
-__all__ = ["FAILURE_REASONS", "REFUSAL_CODES", "STAGES", "TRANSPORTS", "ServerMetrics", "failure_reason",
-           "transport_name"]
+__all__ = [
+    "FAILURE_REASONS", "REFUSAL_CODES", "STAGES", "TRANSPORTS", "ServerMetrics", "failure_reason",
+    "transport_name",
+]
 
 TRANSPORTS = ("inline", "shm", "cuda_ipc")
 # read: one sample's bytes; decode: one sample decoded and scaled into its row;

@@ -29,10 +29,11 @@ def _save(image: Image.Image, fmt: str, **options) -> bytes:
 def _png_bomb(width: int, height: int) -> bytes:
     """A valid PNG header declaring width x height, with almost no data behind it."""
     def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        crc = struct.pack(">I", zlib.crc32(kind + body))
+        return struct.pack(">I", len(body)) + kind + body + crc
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-            + chunk(b"IEND", b""))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
 
 
 def _jpeg_bomb(small_jpeg: bytes, width: int, height: int) -> bytes:
@@ -61,7 +62,7 @@ def odd_files(data_dir):
     rgba = photo.copy()
     rgba.putalpha(Image.fromarray((np.arange(120)[None, :].repeat(90, 0) * 2).astype(np.uint8)))
     good_jpeg = _save(photo, "JPEG", quality=90)
-    sixteen = Image.fromarray((np.asarray(photo.convert("L")).astype(np.uint16) * 257))
+    sixteen = Image.fromarray(np.asarray(photo.convert("L")).astype(np.uint16) * 257)
     frames = [Image.fromarray(synthetic_photo(rng, 90, 120)) for _ in range(3)]
     files = {
         "truncated.jpg": (good_jpeg[:len(good_jpeg) // 2], None),

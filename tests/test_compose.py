@@ -281,7 +281,8 @@ def test_the_dashboard_shows_one_server_or_all(compose_server):
     assert metric in {f.name for f in text_string_to_metric_families(compose_server["scrape"])}
     for expr in _exprs():
         selectors = re.findall(r"\b(gpufeed_\w+)(\{[^}]*\})?", expr)
-        unfiltered = [name for name, matchers in selectors if 'instance=~"$instance"' not in matchers]
+        unfiltered = [name for name, matchers in selectors
+                      if 'instance=~"$instance"' not in matchers]
         assert not unfiltered, f"{expr!r} does not filter {unfiltered} by the Server variable"
     by_server = {name for expr in _exprs() if re.search(r"by \([^)]*\binstance\b", expr)
                  for name in _metric_names(expr)}

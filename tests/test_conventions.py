@@ -149,7 +149,7 @@ def test_a_dropped_loader_ends_the_stream_it_opened_ahead(data_dir, image_names)
     from gpufeed.server.process import ServerProcess
     from support import wait_until
 
-    def served() -> bool:
+    def served(closing: bool) -> bool:
         try:
             loader = feed.loader(files=image_names, batch_size=2, size=8, prefetch=1)
         except FeedError as e:
@@ -164,6 +164,6 @@ def test_a_dropped_loader_ends_the_stream_it_opened_ahead(data_dir, image_names)
         gc.disable()  # dropping must be enough, without waiting for a collection
         try:
             for closing in (False, True, False, True):
-                assert wait_until(served)
+                assert wait_until(lambda closing=closing: served(closing))
         finally:
             gc.enable()

@@ -66,7 +66,8 @@ def test_releasing_a_batch_never_sent_ends_the_stream(server, image_names):
     with grpc.insecure_channel(server.address) as channel:
         stub = feed_pb2_grpc.FeedStub(channel)
         request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=image_names[:8]),
-                                         batch_size=2, output=feed_pb2.OutputSpec(height=8, width=8),
+                                         batch_size=2,
+                                         output=feed_pb2.OutputSpec(height=8, width=8),
                                          transport=feed_pb2.TRANSPORT_INLINE, prefetch=1)
         messages = [feed_pb2.ClientMessage(open=request),
                     feed_pb2.ClientMessage(release=feed_pb2.Release(seqs=[seq]))]

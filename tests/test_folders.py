@@ -24,7 +24,7 @@ MAX_SAMPLES = 40
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory) -> Path:
-    """root/train/{cat,cat-x,dog,fish}/..., root/val/ with only cat and fish files, and odd entries."""
+    """root/train/{cat,cat-x,dog,fish}/..., root/val/ with only cat and fish files, odd entries."""
     root = tmp_path_factory.mktemp("tree")
     rng = np.random.default_rng(7)
 

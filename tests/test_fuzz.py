@@ -13,7 +13,6 @@ import random
 import threading
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpufeed.client import FeedClient

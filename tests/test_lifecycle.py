@@ -129,7 +129,9 @@ def test_finished_streams_let_go_of_their_memory(data_dir, image_names):
                 except FileNotFoundError:  # closed since the listing: not held
                     pass
             with open(f"/proc/{server.proc.pid}/maps") as maps:
-                mapped = [line for line in maps if "/dev/shm/gpufeed-" in line and "probe" not in line]
-            return [link for link in links if "/dev/shm/gpufeed-" in link and "probe" not in link] + mapped
+                mapped = [line for line in maps
+                          if "/dev/shm/gpufeed-" in line and "probe" not in line]
+            return [link for link in links
+                    if "/dev/shm/gpufeed-" in link and "probe" not in link] + mapped
 
         assert wait_until(lambda: not held()), held()

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpufeed.client import FeedError
 from clips import encode_video, frame_number
+from gpufeed.client import FeedError
 
 FRAMES = 40
 

@@ -308,7 +308,7 @@ def test_prometheus_scrapes_the_live_server(data_root, tmp_path):
                     query = expr.replace("$__rate_interval", "1m").replace("$instance", instance)
                     reply = _api(api.address, query)
                     assert reply["status"] == "success", (query, reply)
-                    _poll(lambda: _query_values(api.address, query),
+                    _poll(lambda query=query: _query_values(api.address, query),
                           f"data from the dashboard query {query}", api.process)
         finally:
             api.stop()

@@ -43,7 +43,8 @@ def test_server_help_and_version():
     assert "--log-level" in help_text.stdout and "--version" in help_text.stdout
     assert "`" not in help_text.stdout  # plain text, not reST
     version = run("--version")
-    assert version.returncode == 0 and version.stdout.strip() == f"gpufeed-server {gpufeed.__version__}"
+    assert version.returncode == 0
+    assert version.stdout.strip() == f"gpufeed-server {gpufeed.__version__}"
 
 
 def test_client_only_install_says_what_the_server_needs(tmp_path):

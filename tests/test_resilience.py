@@ -127,7 +127,8 @@ def test_failure_budget_ends_the_stream_with_examples(feed, data_dir, image_name
     with pytest.raises(FeedError) as info:
         _indices(feed.loader(files=files, batch_size=4, size=(8, 8), failure_budget=2))
     assert info.value.code == grpc.StatusCode.DATA_LOSS
-    assert "3 samples failed" in str(info.value) and "sample 20: gone1.jpg: file not found" in str(info.value)
+    assert "3 samples failed" in str(info.value)
+    assert "sample 20: gone1.jpg: file not found" in str(info.value)
     assert len(_indices(feed.loader(files=files, batch_size=4, size=(8, 8),
                                     failure_budget=3))) == 20
     assert len(_indices(feed.loader(files=files, batch_size=4, size=(8, 8),
@@ -180,7 +181,8 @@ def test_64_streams_from_8_processes_and_the_65th_refused(data_dir, image_names)
     files = image_names[:12]
     with ServerProcess(["--data-root", str(data_dir), "--max-streams", "64"]) as server:
         procs = [subprocess.Popen([sys.executable, "-c", _MANY_STREAMS_CLIENT, server.address,
-                                   *files], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                   *files], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True)
                  for _ in range(8)]
         try:
             assert [p.stdout.readline().strip() for p in procs] == ["open"] * 8
@@ -278,8 +280,8 @@ def test_a_new_trainer_process_resumes_from_a_saved_state(feed, server, image_na
         if k == 3:
             break
     state = json.dumps(first.state_dict())  # what a checkpoint would hold
-    result = subprocess.run([sys.executable, "-c", _RESUMING_TRAINER, server.address, state, *files],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", _RESUMING_TRAINER, server.address, state,
+                             *files], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert taken + json.loads(result.stdout) == full
 

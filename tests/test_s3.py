@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bench.seaweed import SeaweedS3, weed_binary
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
-from bench.seaweed import SeaweedS3, weed_binary
 from shards import corrupt_shard, cut_shard, label_of, shard_bytes
 from support import MIN_PSNR_DB, psnr
 

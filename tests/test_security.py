@@ -25,10 +25,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from clips import encode_video
-from support import wait_until
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
+from support import wait_until
 
 _RED = (250, 10, 10)
 
@@ -74,7 +74,8 @@ def hostile_root(tmp_path):
 def test_media_naming_files_outside_the_root_fail_alone(hostile_root):
     root = hostile_root / "root"
     images = ["good.png", "concat.jpg", "self.png", "playlist.jpg"] * 15
-    with ServerProcess(["--data-root", str(root), "--threads", "2"], cwd=str(hostile_root)) as server, \
+    with ServerProcess(["--data-root", str(root), "--threads", "2"],
+                       cwd=str(hostile_root)) as server, \
             FeedClient(server.address) as feed:
         pid = server.proc.pid
         fds, rss = _open_fds(pid), _rss_mb(pid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+import grpc
 import numpy as np
 import pytest
 from PIL import Image
@@ -14,8 +15,6 @@ from gpufeed.server.process import ServerProcess
 from gpufeed.server.storage.shards import SHUFFLE_BUFFER, expand_braces
 from shards import corrupt_shard, cut_shard, label_of, write_shards
 from support import MIN_PSNR_DB, psnr
-
-import grpc
 
 COUNTS = [7, 5, 9, 6]  # samples per shard: batches of 4 straddle shard ends
 PATTERN = "train-{0000..0003}.tar"

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from support import (MIN_PSNR_DB, psnr, reference_decode, shm_prefix, stream_segments,
-                     wait_until)
+from support import MIN_PSNR_DB, psnr, reference_decode, shm_prefix, stream_segments, wait_until
 
 TRANSPORTS = ["inline", "shm"]
 

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 from gpufeed.client import FeedClient
-from gpufeed.server.process import ServerProcess
 from gpufeed.server.media.transform import OutputTransform, random_resized_crop_box, sample_rng
+from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2
 from support import MIN_PSNR_DB, psnr
 
@@ -150,7 +150,7 @@ def test_labels_from_list_file_and_folders(feed, data_dir, image_names):
     (data_dir / "labelled.flist").write_text(
         "".join(f"{name}\t{i % 3}\n" for i, name in enumerate(image_names[:9])))
     loader = feed.loader(files="labelled.flist", batch_size=4, size=(8, 8), labels="list_file")
-    assert [l for b in loader for l in b["label"].tolist()] == [i % 3 for i in range(9)]
+    assert [n for b in loader for n in b["label"].tolist()] == [i % 3 for i in range(9)]
 
     for folder in ("zebra", "ant"):
         (data_dir / "zoo" / folder).mkdir(parents=True, exist_ok=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpufeed.server.storage.paths import DataRoots, OutsideDataRoots
 from gpufeed.server.memory.ring import BatchLayout, SlotRing
 from gpufeed.server.serving.order import samples_at, shard_order, split_batches
+from gpufeed.server.storage.paths import DataRoots, OutsideDataRoots
 
 
 def test_pad_shard_then_shuffle():

@@ -64,7 +64,8 @@ def test_every_start_gives_k_frames_at_the_stride(video, k, stride):
     span = (k - 1) * stride + 1
     for first in range(FRAMES - span + 1):
         seen = []
-        out = _clip(data, k, stride, lambda n, first=first: (seen.append(n), first)[1], decoder)
+        out = _clip(data, k, stride,
+                    lambda n, first=first, seen=seen: (seen.append(n), first)[1], decoder)
         assert seen == [FRAMES]
         wanted = list(range(first, first + span, stride))
         assert [frame_number(f) for f in out] == wanted
@@ -82,7 +83,7 @@ def test_centred_and_random_starts(video):
     starts = set()
     for sample in range(20):
         rng = np.random.default_rng([0, 1, sample])  # seed, epoch, sample index
-        out = _clip(data, k, stride, lambda n: random_start(n, k, stride, rng), decoder)
+        out = _clip(data, k, stride, lambda n, rng=rng: random_start(n, k, stride, rng), decoder)
         numbers = [frame_number(f) for f in out]
         starts.add(numbers[0])
         assert numbers == list(range(numbers[0], numbers[0] + 13, stride))
@@ -176,5 +177,5 @@ def test_frame_threading_gives_the_same_clips():
     reference = _reference(data)
     decoder = VideoDecoder(threads=2)
     for first in (0, 3, 11, 33):
-        out = _clip(data, 4, 2, lambda n: first, decoder)
+        out = _clip(data, 4, 2, lambda n, first=first: first, decoder)
         np.testing.assert_array_equal(out, reference[first:first + 7:2])

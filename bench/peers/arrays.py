@@ -90,8 +90,9 @@ def _check(batch, first: dict[str, np.ndarray], fmt: str) -> None:
 
 
 def run_numpy(config, meter, fmt: str) -> str:
-    import torch
     from concurrent.futures import ThreadPoolExecutor
+
+    import torch
 
     paths = _paths(config, fmt) * config.array_passes
     meter.expected = len(paths)

@@ -63,7 +63,8 @@ def cpu_ms_per_image(datas: list[bytes], size: tuple[int, int], resize: str) -> 
 
     spec = feed_pb2.OutputSpec(height=size[0], width=size[1], flip_probability=0.5,
                                resize=getattr(feed_pb2, "RESIZE_" + {
-                                   "center_crop": "SHORTER_CENTER_CROP"}.get(resize, resize.upper())))
+                                   "center_crop": "SHORTER_CENTER_CROP",
+                               }.get(resize, resize.upper())))
     transform = OutputTransform(spec, seed=0, epoch=0)
     decoder = ImageDecoder()
     out = np.empty((3, *size), np.uint8)
@@ -76,7 +77,8 @@ def cpu_ms_per_image(datas: list[bytes], size: tuple[int, int], resize: str) -> 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.peers.ceiling", description=__doc__)
-    p.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1] / "data" / "jpeg2000",
+    p.add_argument("--data", type=Path,
+                   default=Path(__file__).resolve().parents[1] / "data" / "jpeg2000",
                    help="a built JPEG set (python -m bench.run builds bench/data/jpeg2000)")
     p.add_argument("--images", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=3, help="rounds per resize; the best is kept")
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     from gpufeed.server.media import jpeg
     print(jpeg.describe())
     for resize in RESIZES:
-        times = [cpu_ms_per_image(datas, (args.size, args.size), resize) for _ in range(args.rounds)]
+        times = [cpu_ms_per_image(datas, (args.size, args.size), resize)
+                 for _ in range(args.rounds)]
         print(f"{resize:>20}: {min(times):.3f} ms CPU / image (rounds: "
               f"{', '.join(f'{t:.3f}' for t in times)}; {len(datas)} images)")
 

@@ -34,8 +34,8 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from .decode import DecodeError
 from ..storage.paths import DEFAULT_MAX_FILE_BYTES
+from .decode import DecodeError
 
 __all__ = ["ArraySpec", "array_layout", "check", "read_arrays"]
 

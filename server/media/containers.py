@@ -26,7 +26,10 @@ from typing import BinaryIO
 
 import av
 
-__all__ = ["HEAD_BYTES", "IMAGE_FORMATS", "VIDEO_FORMATS", "image_format", "open_container", "video_format"]
+__all__ = [
+    "HEAD_BYTES", "IMAGE_FORMATS", "VIDEO_FORMATS", "image_format", "open_container",
+    "video_format",
+]
 
 # Magic bytes -> FFmpeg demuxer. JPEG is not here: it goes straight to the mjpeg
 # decoder without any demuxer (decode.py).

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..storage.paths import DataRoots
 from .arrays import array_layout, check, read_arrays
 from .decode import DEFAULT_MAX_PIXELS, ImageDecoder
 from .fields import SampleFields
-from ..storage.paths import DataRoots
 from .transform import CLIP, OutputTransform, sample_rng
 from .video import VideoDecoder, centred_start, random_start
 

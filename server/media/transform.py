@@ -95,7 +95,8 @@ class OutputTransform:
         self.seed, self.epoch = seed, epoch
         self.flip_probability = spec.flip_probability
         if not 0 <= spec.flip_probability <= 1:
-            raise ValueError(f"output.flip_probability must be in [0, 1], got {spec.flip_probability}")
+            raise ValueError("output.flip_probability must be in [0, 1], "
+                             f"got {spec.flip_probability}")
         # torchvision's and timm's evaluation default: floor(size / 0.875), 256 for 224
         # and 109 (not 110) for 96; 0.875 is 7 / 8, so integers say it exactly.
         self.shorter_side = spec.shorter_side or max(self.height, self.width) * 8 // 7
@@ -112,7 +113,8 @@ class OutputTransform:
             raise ValueError(f"output.ratio_min/ratio_max must satisfy {_MIN_RATIO:g} <= min "
                              f"<= max <= {1 / _MIN_RATIO:g}, got {self.ratio}")
         if spec.dtype and spec.dtype not in _DTYPES:
-            raise ValueError(f"output.dtype must be one of {', '.join(_DTYPES)}, got {spec.dtype!r}")
+            raise ValueError(f"output.dtype must be one of {', '.join(_DTYPES)}, "
+                             f"got {spec.dtype!r}")
         self.dtype = _DTYPES[spec.dtype or "uint8"]
         if bool(spec.mean) != bool(spec.std) or len(spec.mean) not in (0, 3) or \
                 len(spec.std) not in (0, 3):
@@ -154,8 +156,8 @@ class OutputTransform:
         None (squash) keeps the whole image."""
         crop = None if self.resize == feed_pb2.RESIZE_SQUASH else \
             lambda src_h, src_w: self.box(index, src_h, src_w)
-        flip = bool(self.flip_probability and
-                    sample_rng(self.seed, self.epoch, index, _FLIP).random() < self.flip_probability)
+        flip = bool(self.flip_probability and sample_rng(self.seed, self.epoch, index, _FLIP)
+                    .random() < self.flip_probability)
         return crop, flip
 
     def box(self, index: int, src_h: int, src_w: int) -> Box:

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..storage.paths import DataRoots, OutsideDataRoots
 from ..media.samples import is_sample_file
+from ..storage.paths import DataRoots, OutsideDataRoots
 
 __all__ = ["FolderError", "Listing", "SampleFiles", "folder_labels", "list_directory"]
 

@@ -28,20 +28,27 @@ import torch
 from gpufeed.v1 import feed_pb2
 
 from ..media.arrays import read_arrays
-from ..memory.budget import default_memory_bytes, return_free_memory
 from ..media.decode import DecodeError
 from ..media.fields import MASK, FieldError, SampleFields
-from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_labels, \
-    list_directory
-from .names import SampleNames, TooManyNames
-from ..storage.paths import DataRoots, FileTooLarge, LocatedPaths, OutsideDataRoots
-from ..memory.ring import BatchLayout
-from ..media.samples import ARRAYS, IMAGE, VIDEO, ArrayRows, ImageRows, VideoRows, is_sample_file, \
-    sample_kind
-from ..storage.shards import TAKEN_SUFFIXES, ShardRows, ShardSet, locate_shards, names_shards
-from .order import Batches, shard_order, split_batches
 from ..media.pipeline import SampleTransforms
+from ..media.samples import (
+    ARRAYS,
+    IMAGE,
+    VIDEO,
+    ArrayRows,
+    ImageRows,
+    VideoRows,
+    is_sample_file,
+    sample_kind,
+)
 from ..media.transform import OutputTransform
+from ..memory.budget import default_memory_bytes, return_free_memory
+from ..memory.ring import BatchLayout
+from ..storage.paths import DataRoots, FileTooLarge, LocatedPaths, OutsideDataRoots
+from ..storage.shards import TAKEN_SUFFIXES, ShardRows, ShardSet, locate_shards, names_shards
+from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_labels, list_directory
+from .names import SampleNames, TooManyNames
+from .order import Batches, shard_order, split_batches
 from .wire import COMPRESSORS
 
 __all__ = ["Limits", "RequestError", "StreamPlan", "plan_stream"]
@@ -229,7 +236,8 @@ def _served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:
     if stride < 0:
         raise _invalid(f"batch_stride must be >= 0, got {req.batch_stride}")
     if not 0 <= req.batch_offset < stride:
-        raise _invalid(f"batch_offset must be in [0, batch_stride={stride}), got {req.batch_offset}")
+        raise _invalid(f"batch_offset must be in [0, batch_stride={stride}), "
+                       f"got {req.batch_offset}")
     if stride > 1 and req.job:
         raise _invalid("batch_stride: a shared job serves the whole pass; give one or the other")
     return batches[req.batch_offset::stride]

@@ -26,12 +26,12 @@ import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
 from ..memory.budget import MemoryBudget, MemoryExhausted
+from ..memory.shm import ShmNamespace
 from ..metrics import ServerMetrics, transport_name
 from ..storage.paths import DataRoots
 from .pool import DecodePool
 from .request import Limits, RequestError, StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
-from ..memory.shm import ShmNamespace
 from .stream import UNREAD, Batch, Stream, StreamCancelled
 from .watchdog import Watchdog, end_call
 from .wire import InlineBatch
@@ -333,8 +333,8 @@ def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.ServerMessage | I
     chunks, offset = [], 0
     for place in plan.layout.tensors:
         array = batch.sent(place.name)
-        message.tensors.add(name=place.name, dtype=place.wire_dtype or place.dtype.name, shape=array.shape,
-                            offset=offset if inline else place.offset)
+        message.tensors.add(name=place.name, dtype=place.wire_dtype or place.dtype.name,
+                            shape=array.shape, offset=offset if inline else place.offset)
         if inline and array.nbytes:
             chunks.append(memoryview(np.ascontiguousarray(array)).cast("B"))
             padding = -array.nbytes % _INLINE_ALIGN

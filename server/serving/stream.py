@@ -25,14 +25,14 @@ import torch
 
 from ..media.decode import DecodeError
 from ..media.pipeline import TransformFailed
-from .sources import OwnBatches, SharedJob
+from ..media.samples import Decoders
+from ..memory.ring import SlotRing
 from ..metrics import ServerMetrics
-from .order import samples_at
 from ..storage.paths import DataRoots
+from .order import samples_at
 from .pool import DecodePool
 from .request import StreamPlan
-from ..memory.ring import SlotRing
-from ..media.samples import Decoders
+from .sources import OwnBatches, SharedJob
 
 __all__ = ["UNREAD", "Batch", "Stream", "StreamCancelled"]
 

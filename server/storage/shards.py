@@ -63,9 +63,9 @@ import numpy as np
 
 from ..media.decode import DecodeError
 from ..media.fields import SampleFields
+from ..media.transform import OutputTransform
 from .paths import OutsideDataRoots
 from .roots import is_s3
-from ..media.transform import OutputTransform
 
 __all__ = ["SHUFFLE_BUFFER", "TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet",
            "expand_braces", "names_shards"]
