@@ -49,7 +49,8 @@ def slot_tensors(slot: torch.UntypedStorage, metas) -> dict[str, torch.Tensor]:
     out = {}
     for meta in metas:
         dtype = _torch_dtype(meta.dtype)
-        out[meta.name] = torch.empty(0, dtype=dtype, device=slot.device).set_(
+        # torch's stub makes set_'s stride required; left out, it is contiguous.
+        out[meta.name] = torch.empty(0, dtype=dtype, device=slot.device).set_(  # pyright: ignore[reportCallIssue]
             slot, meta.offset // dtype.itemsize, tuple(meta.shape))
     return out
 

@@ -52,13 +52,15 @@ class Connection:
         # Inline batches' arrays stay views of the received bytes (inline.parse).
         self.stub.Stream = self._channel.stream_stream(
             "/gpufeed.v1.Feed/Stream", request_serializer=feed_pb2.ClientMessage.SerializeToString,
-            response_deserializer=inline.parse, _registered_method=True)
+            response_deserializer=inline.parse,
+            # grpcio's stub lags its generated code, which passes _registered_method.
+            _registered_method=True)  # pyright: ignore[reportCallIssue]
         self.connect_timeout = connect_timeout
         # Whether the server has ever answered on this connection: until it has, the
         # address may be wrong or the server down, and a loader fails at once rather
         # than spending its reconnect timeout.
         self.answered = False
-        self._auto: int | None = None
+        self._auto: feed_pb2.Transport | None = None
 
     def close(self) -> None:
         self._channel.close()
@@ -86,7 +88,7 @@ class Connection:
                          f"no gpufeed server answered at {self.address} within {timeout:g} s; "
                          f"is gpufeed-server running and listening there?")
 
-    def auto_transport(self) -> int:
+    def auto_transport(self) -> feed_pb2.Transport:
         """cuda_ipc on the same host and GPU, else shm on the same /dev/shm, else inline.
 
         "Same host" is proven by reading the probe segment the server names in

@@ -6,6 +6,7 @@ import json
 import numbers
 import os
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -17,6 +18,8 @@ from .fields import Field, field_specs
 from .loader import Loader
 
 __all__ = ["FeedClient"]
+
+_Enum = TypeVar("_Enum")  # a feed_pb2 enum type
 
 _TRANSPORTS = {"auto": feed_pb2.TRANSPORT_AUTO, "inline": feed_pb2.TRANSPORT_INLINE,
                "shm": feed_pb2.TRANSPORT_SHM, "cuda_ipc": feed_pb2.TRANSPORT_CUDA_IPC}
@@ -36,7 +39,7 @@ def _size(size: int | tuple[int, int] | None) -> tuple[int, int]:
     """(height, width) from an int (a square), a pair, or None (arrays: no size)."""
     if size is None:
         return 0, 0
-    if isinstance(size, numbers.Integral):
+    if isinstance(size, (int, numbers.Integral)):
         return int(size), int(size)
     if len(size) != 2:
         raise ValueError(f"size must be an int or (height, width), got {size!r}")
@@ -70,6 +73,7 @@ def _sample_transforms(transforms: Sequence[str | tuple[str, dict]]
 
 
 def _choice(name: str, value: str, choices: dict) -> int:
+def _choice(name: str, value: str, choices: dict[str, _Enum]) -> _Enum:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     return choices[value]

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import grpc
 import numpy as np
@@ -115,10 +115,15 @@ class Loader:
 
     def __len__(self) -> int:
         """Batches in a pass of this rank (a shared job's depend on its consumers)."""
-        totals = [part.total for part in self._parts]
-        if None in totals:
+        total = self._pass_total()
+        if total is None:
             raise TypeError("a shared job's loader has no length: its consumers share the batches")
-        return sum(totals)
+        return total
+
+    def _pass_total(self) -> int | None:
+        """Batches in a pass over every part; None for a shared job's (not known)."""
+        totals = [part.total for part in self._parts]
+        return None if None in totals else sum(t for t in totals if t is not None)
 
     def batch_rng(self) -> np.random.Generator:
         """A generator for the batch last yielded, seeded by (seed, epoch, rank, its place in
@@ -140,8 +145,8 @@ class Loader:
         its order (a finished pass is the next epoch's start), and what request it is of."""
         consumed = sum(part.consumed for part in self._parts)
         epoch = self._request.epoch
-        totals = [part.total for part in self._parts]
-        if None not in totals and consumed >= sum(totals):
+        total = self._pass_total()
+        if total is not None and consumed >= total:
             epoch, consumed = epoch + 1, 0
         return {"epoch": epoch, "samples_consumed": consumed * self.batch_size,
                 "fingerprint": dict(self._fingerprint)}
@@ -158,8 +163,8 @@ class Loader:
             raise ValueError(f"load_state_dict: samples_consumed must be a multiple of batch_size "
                              f"{self.batch_size}, got {samples}")
         batches, servers = samples // self.batch_size, len(self._parts)
-        totals = [part.total for part in self._parts]
-        if None not in totals and batches >= sum(totals):  # a finished pass: the next epoch
+        total = self._pass_total()
+        if total is not None and batches >= total:  # a finished pass: the next epoch
             self._begin(int(state["epoch"]) + 1)
             return
         self._begin(int(state["epoch"]))
@@ -200,7 +205,7 @@ class Loader:
             for batches in streams.values():
                 batches.close()
 
-    def _part_batches(self, part: _Part) -> Iterator[dict[str, torch.Tensor]]:
+    def _part_batches(self, part: _Part) -> Generator[dict[str, torch.Tensor], None, None]:
         """The part's batches to the end of the epoch, across reconnects and failovers."""
         outage = _Outage()
         while True:

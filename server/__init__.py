@@ -4,6 +4,12 @@ Run it with ``gpufeed-server --data-root DIR`` (or ``python -m gpufeed.server``)
 embed it with ``FeedServer(ServerConfig(data_roots=[...]))``.
 """
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for type checkers; at run time, __getattr__ below
+    from .app import FeedServer, ServerConfig
+    from .serving.request import Limits
+
 __all__ = ["FeedServer", "Limits", "ServerConfig"]
 
 

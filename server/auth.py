@@ -45,7 +45,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(_UNCHECKED):
             return handler
         presented = dict(handler_call_details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(presented.encode(), self._expected):
+        if isinstance(presented, str) and hmac.compare_digest(presented.encode(), self._expected):
             return handler
         return _refusal(handler)
 

@@ -75,7 +75,8 @@ def _default_dir() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpufeed.client import FeedClient
+    # gpufeed.client is installed from client/, which pyright's search path cannot map.
+    from gpufeed.client import FeedClient  # pyright: ignore[reportMissingImports]
 
     from .process import ServerProcess
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Any
 
 import numpy as np
 from prometheus_client import (
@@ -203,7 +204,7 @@ class _LiveState(Collector):
 
     def __init__(self, pool):
         self._pool = pool
-        self._streams: dict[object, str] = {}
+        self._streams: dict[Any, str] = {}  # a stream (serving/stream.py) -> its transport
         self._lock = threading.Lock()
 
     def add(self, stream, transport: str) -> None:
@@ -217,8 +218,8 @@ class _LiveState(Collector):
     def collect(self):
         with self._lock:
             streams = list(self._streams.items())
-        active = dict.fromkeys(TRANSPORTS, 0)
-        leased = dict.fromkeys(TRANSPORTS, 0)
+        active: dict[str, int] = dict.fromkeys(TRANSPORTS, 0)
+        leased: dict[str, int] = dict.fromkeys(TRANSPORTS, 0)
         for stream, transport in streams:
             active[transport] += 1
             # len() of the ring's lease dict: atomic under the GIL, good enough for a gauge.

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 
 __all__ = ["ServerProcess"]
 
@@ -23,7 +24,7 @@ class ServerProcess:
     """``with ServerProcess(["--data-root", d]) as server: FeedClient(server.address)``."""
 
     def __init__(self, args: list[str], *, timeout: float = 60.0, env: dict | None = None,
-                 cwd: str | None = None, prefix: list[str] = ()):
+                 cwd: str | None = None, prefix: Sequence[str] = ()):
         self.args = ["--listen", "127.0.0.1:0", *args]  # a later --listen in args wins
         self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", name]: where it runs
         self.timeout = timeout

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import BinaryIO
 
 import av
+from av.container import InputContainer
 
 __all__ = [
     "HEAD_BYTES", "IMAGE_FORMATS", "VIDEO_FORMATS", "image_format", "open_container",
@@ -70,7 +71,7 @@ def video_format(head: bytes) -> str | None:
     return None
 
 
-def open_container(file: BinaryIO, demuxer: str) -> av.container.InputContainer:
+def open_container(file: BinaryIO, demuxer: str) -> InputContainer:
     """``file`` opened with ``demuxer`` alone and no protocol (see the module docstring)."""
     return av.open(file, mode="r", format=demuxer, container_options={
         "format_whitelist": demuxer,

@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 import av
 import numpy as np
+from av.error import FFmpegError
 from av.video.reformatter import Interpolation, VideoReformatter
 
 from . import jpeg
@@ -85,14 +86,18 @@ class RgbScaler:
         self._scaler = VideoReformatter()
 
     def scale(self, frame: av.VideoFrame, width: int, height: int) -> av.VideoFrame:
-        return self._scaler.reformat(frame, width, height, _GBRP, interpolation=_SCALER,
+        # PyAV's stub says format is a str; a VideoFormat, made once, saves a lookup.
+        return self._scaler.reformat(frame, width, height, _GBRP,  # pyright: ignore[reportArgumentType]
+                                     interpolation=_SCALER,
                                      threads=1)
 
     def packed(self, frame: av.VideoFrame) -> np.ndarray:
         """``frame`` as packed RGB at its own size: a uint8 [h, w, 3] view (rows padded)."""
         rgb = self._scaler.reformat(frame, format="rgb24", interpolation=_SCALER, threads=1)
         plane = rgb.planes[0]
-        rows = np.frombuffer(plane, np.uint8).reshape(rgb.height, plane.line_size)
+        # A plane has the buffer protocol; PyAV's stub does not say so (also below).
+        rows = np.frombuffer(plane, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
+            rgb.height, plane.line_size)
         return rows[:, :rgb.width * 3].reshape(rgb.height, rgb.width, 3)
 
     @staticmethod
@@ -102,7 +107,8 @@ class RgbScaler:
         mirrored left to right if ``flip``."""
         _, height, width = out.shape
         for plane, row in zip(rgb.planes, _GBRP_TO_RGB_ROW):
-            pixels = np.frombuffer(plane, np.uint8).reshape(rgb.height, plane.line_size)
+            pixels = np.frombuffer(plane, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
+                rgb.height, plane.line_size)
             window = pixels[top:top + height, left:left + width]
             out[row] = window[:, ::-1] if flip else window
 
@@ -170,7 +176,7 @@ class ImageDecoder:
                 else (height, width, 0, 0))
             self._check_size(scaled_w, scaled_h, "scaling to")  # a crop of an extreme shape
             rgb = self._rgb.scale(frame, scaled_w, scaled_h)
-        except av.FFmpegError as e:
+        except FFmpegError as e:
             raise DecodeError(f"not a decodable image: {e}") from None
         self._rgb.copy(rgb, out, top, left, flip)
         return placed

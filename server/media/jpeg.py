@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from . import _jpeg
+    from . import _jpeg  # pyright: ignore[reportAttributeAccessIssue]  # C, no stub
 except ImportError as e:  # built without libjpeg-turbo's headers
     _jpeg = None
     _MISSING = str(e)

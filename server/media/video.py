@@ -44,6 +44,7 @@ from typing import BinaryIO
 
 import av
 import numpy as np
+from av.error import FFmpegError
 
 from .containers import HEAD_BYTES, VIDEO_FORMATS, open_container, video_format
 from .decode import DEFAULT_MAX_PIXELS, DecodeError, RgbScaler
@@ -121,7 +122,7 @@ class VideoDecoder:
                         return
                     container.seek(clock.start_pts, backward=True, any_frame=False, stream=stream)
                 self._fill(container, stream, clock, wanted, out, seeked=False)
-        except av.FFmpegError as e:
+        except FFmpegError as e:
             raise DecodeError(f"not a decodable video: {e}") from None
 
     def _check_size(self, codec) -> None:

@@ -71,7 +71,10 @@ class BatchLayout:
             rows = self._rows.get(t.name, self.batch_size)
             count = rows * int(np.prod(t.sample_shape))
             flat = slot[t.offset:t.offset + count * t.dtype.itemsize]
-            flat = flat.view(t.dtype if isinstance(slot, np.ndarray) else _torch_dtype(t.dtype))
+            if isinstance(slot, np.ndarray):
+                flat = flat.view(t.dtype)
+            else:
+                flat = flat.view(_torch_dtype(t.dtype))  # pyright: ignore[reportCallIssue,reportArgumentType]  # a tensor's view, not numpy's
             out[t.name] = flat.reshape((rows, *t.sample_shape))
         return out
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import threading
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 
@@ -59,7 +60,7 @@ class CallGate(grpc.ServerInterceptor):
         self._watchdog = watchdog
         self._lock = threading.Lock()
         # kind -> the calls of that kind, oldest first (a dict keeps insertion order)
-        self._calls: dict[str, dict[object, None]] = {"waiting": {}, "watching": {}}
+        self._calls: dict[str, dict[grpc.ServicerContext, None]] = {"waiting": {}, "watching": {}}
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -75,6 +76,7 @@ class CallGate(grpc.ServerInterceptor):
             serve, response_serializer=handler.response_serializer)
 
     def _serve(self, handler, method: str, requests, context):
+        argument: Any  # the request iterator, or the one request message
         with self._counted("waiting", context):
             first = self._first(requests, context)
         if handler.request_streaming:
@@ -82,6 +84,7 @@ class CallGate(grpc.ServerInterceptor):
         elif first is _NOTHING:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{method} takes one request message; the client sent none")
+            return  # not reached: abort raises
         else:
             argument = first
         behaviour = _behaviour(handler)

@@ -149,7 +149,8 @@ class LocatedPaths(Sequence[str]):
 
     @property
     def nbytes(self) -> int:
-        return self.names.nbytes
+        # types: names is a SampleNames here, which counts its bytes
+        return self.names.nbytes  # pyright: ignore[reportAttributeAccessIssue]
 
     def __len__(self) -> int:
         return len(self.names)

@@ -71,6 +71,7 @@ class ReadAhead:
             return pending.read()
         if pending.error is not None:
             raise pending.error
+        assert pending.data is not None  # done, without an error: it holds the bytes
         return pending.data
 
     def drop(self, pending: PendingRead) -> None:

@@ -241,7 +241,7 @@ def _s3_client(endpoint: str | None, connections: int):
                     retries={"max_attempts": 3, "mode": "standard"},
                     # Custom endpoints (SeaweedFS, MinIO, Ceph) serve buckets as paths.
                     s3={"addressing_style": "path"} if endpoint else None)
-    return boto3.session.Session().client("s3", endpoint_url=endpoint or None, config=config)
+    return boto3.Session().client("s3", endpoint_url=endpoint or None, config=config)
 
 
 class _PastEnd(Exception):
