@@ -10,6 +10,7 @@ import logging
 import os
 from concurrent import futures
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,6 +22,7 @@ from . import transforms
 from .auth import TokenInterceptor, server_credentials
 from .media.decode import DEFAULT_MAX_PIXELS
 from .media.pipeline import set_process_count, shutdown_processes
+from .media.samples import Decoders
 from .memory.shm import ShmNamespace
 from .metrics import ServerMetrics
 from .serving.calls import CallGate, worker_threads
@@ -118,7 +120,7 @@ class FeedServer:
             device = check_device(config.device)
         _load_plugins(config.plugins, config.threads)
         self._shm = ShmNamespace()
-        self._pool = DecodePool(config.threads, config.max_pixels)
+        self._pool = DecodePool(config.threads, partial(Decoders, config.max_pixels))
         self._watchdog = Watchdog()
         try:
             self._build(config, device)
@@ -151,6 +153,8 @@ class FeedServer:
         reflection.enable_server_reflection(
             (_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
         if config.tls_cert or config.tls_key:
+            if not (config.tls_cert and config.tls_key):
+                raise ValueError("tls_cert and tls_key: give both (the certificate and its key)")
             credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
             self.port = self._grpc.add_secure_port(config.listen, credentials)
         else:

@@ -393,7 +393,7 @@ def test_queue_depth_per_stream_and_per_job():
             self.source = SimpleNamespace(name=job) if job else SimpleNamespace()
             self.ring = SimpleNamespace(leased=lambda: 0)
 
-    pool = DecodePool(0)
+    pool = DecodePool(0, lambda: None)  # no thread, so no per-thread state
     metrics = ServerMetrics(pool)
     private, consumers = Stream(), [Stream("train"), Stream("train")]
     for stream, rows in zip([private, *consumers], (7, 3, 4)):

@@ -74,7 +74,8 @@ def test_a_stream_refuses_the_release_of_a_batch_not_yet_sent(data_dir, image_na
                                      output=feed_pb2.OutputSpec(height=8, width=8), prefetch=1,
                                      transport=feed_pb2.TRANSPORT_INLINE)
     plan = plan_stream(request, roots, Limits(), (feed_pb2.TRANSPORT_INLINE,))
-    stream = Stream(plan, roots, DecodePool(0), bytearray(plan.num_slots * plan.layout.slot_bytes))
+    pool = DecodePool(0, lambda: None)  # no thread, so no per-thread state
+    stream = Stream(plan, roots, pool, bytearray(plan.num_slots * plan.layout.slot_bytes))
     stream.start()
     assert stream.ring.leased() == 2
     with pytest.raises(KeyError):

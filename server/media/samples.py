@@ -4,25 +4,32 @@ A stream serves one kind: images (decoded and scaled into ``image``), video
 clips (k frames at a stride into ``image`` [k, 3, H, W]) or pre-computed arrays
 (each key of the file into an array of that name). A request that mixes kinds
 is refused. The readers run on decode threads; each thread has its own
-``Decoders``.
+``Decoders``. Every reader, these and the shards' (storage/shards.py), is a
+``RowReader``: the stream calls the same three methods whatever it serves.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..storage.paths import DataRoots
 from .arrays import array_layout, check, read_arrays
 from .decode import DEFAULT_MAX_PIXELS, ImageDecoder
 from .fields import SampleFields
 from .transform import CLIP, OutputTransform, sample_rng
 from .video import VideoDecoder, centred_start, random_start
 
-__all__ = ["ArrayRows", "Decoders", "ImageRows", "VideoRows", "is_sample_file", "sample_kind"]
+if TYPE_CHECKING:
+    from ..storage.roots import Storage
+
+__all__ = [
+    "ArrayRows", "Decoders", "ImageRows", "RowReader", "VideoRows", "is_sample_file",
+    "sample_kind",
+]
 
 IMAGE, VIDEO, ARRAYS = "image", "video", "arrays"
 # What a directory listing picks up as images: ImageFolder's extensions, and GIF.
@@ -77,15 +84,36 @@ class Decoders:
         return self._video
 
 
-class ImageRows:
+class RowReader(Protocol):
+    """How a stream's samples are read into their rows, one reader per stream.
+
+    ``read_into`` runs on a decode thread, any number at once for different rows;
+    it raises (OSError, DecodeError, ...) to fail that sample alone. ``stages``
+    holds the metrics' stage timers by name ("read", "decode"). ``read_ahead``
+    and ``forget`` are the I/O stage: readers whose storage can read ahead (S3
+    shards) issue a batch's reads when the batch is claimed and drop the ones
+    never used when the stream ends; the defaults here do nothing.
+    """
+
+    def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
+                  row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None: ...
+
+    def read_ahead(self, roots: Storage, samples: np.ndarray) -> None:
+        """Issue the reads of a claimed batch's ``samples`` now (default: nothing)."""
+
+    def forget(self, roots: Storage) -> None:
+        """The stream ended: drop reads issued ahead for rows never decoded (default: nothing)."""
+
+
+class ImageRows(RowReader):
     """Images, and the fields declared beside them (fields.py), into their rows."""
 
     def __init__(self, transform: OutputTransform, fields: SampleFields | None = None):
         self.transform = transform
         self.fields = fields
 
-    def read_into(self, roots: DataRoots, path: str, index: int, arrays: dict, row: int,
-                  decoders: Decoders, stages) -> None:
+    def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
+                  row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
         crop, flip = self.transform.choose(index)
         with stages["read"].time():
             data = roots.read(path)
@@ -98,7 +126,7 @@ class ImageRows:
                 self.fields.write(sample, arrays, row)
 
 
-class VideoRows:
+class VideoRows(RowReader):
     """k frames at ``stride``: from a random start in training, centred otherwise."""
 
     def __init__(self, transform: OutputTransform, clip_frames: int, stride: int,
@@ -106,7 +134,8 @@ class VideoRows:
         self.transform = transform
         self.frames, self.stride, self.random_start = clip_frames, stride, random_start
 
-    def read_into(self, roots, path, index, arrays, row, decoders, stages) -> None:
+    def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
+                  row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
         _, arrays["flip"][row] = self.transform.choose(index)
         k, stride = self.frames, self.stride
         if self.random_start:
@@ -119,13 +148,14 @@ class VideoRows:
                                             stride=stride, start=start)
 
 
-class ArrayRows:
+class ArrayRows(RowReader):
     """Each key of a sample's .npy/.npz/.pt into the batch array of that name."""
 
     def __init__(self, first: dict[str, np.ndarray]):
         self.layout = array_layout(first)
 
-    def read_into(self, roots, path, index, arrays, row, decoders, stages) -> None:
+    def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
+                  row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
         with stages["decode"].time(), os.fdopen(roots.open_checked(path), "rb") as file:
             sample = read_arrays(file, posixpath.splitext(path)[1], roots.max_file_bytes)
             check(sample, self.layout)

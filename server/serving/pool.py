@@ -1,7 +1,9 @@
 """The decode pool: threads shared by every open stream, served in turn.
 
-Each thread owns its decoders (so one codec context per thread). Work
-is queued per stream, and threads take one row at a time from the streams in
+Each thread owns its state, made by the pool's ``thread_state`` factory when
+the thread starts: the server's is ``Decoders`` (media/samples.py), so one codec
+context per thread, and the pool knows nothing of decoding. Work is queued per
+stream, and threads take one row at a time from the streams in
 round-robin order: a stream with many batches queued (a large prefetch) gets
 the same share of decode as a stream with one, so it cannot starve it. Within
 a stream, rows are taken in the order they were submitted, so its earliest
@@ -14,26 +16,47 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Protocol
-
-from ..media.decode import DEFAULT_MAX_PIXELS
-from ..media.samples import Decoders
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
 __all__ = ["DecodePool", "RowTask"]
 
 _log = logging.getLogger(__name__)
 
+State = TypeVar("State")
+_StateIn = TypeVar("_StateIn", contravariant=True)
 
-class RowTask(Protocol):
-    def decode_row(self, row: int, decoders: Decoders) -> None: ...
+
+class RowTask(Protocol[_StateIn]):
+    """Work on the rows of one batch: ``decode_row`` on a pool thread, with that
+    thread's state; ``skip_row`` for a row taken off the queue undone (``drop``)."""
+
+    def decode_row(self, row: int, state: _StateIn, /) -> None: ...
+
+    def skip_row(self, row: int) -> None: ...
 
 
-class DecodePool:
-    def __init__(self, threads: int, max_pixels: int = DEFAULT_MAX_PIXELS):
+class DecodePool(Generic[State]):
+    """``threads`` daemon threads that run the rows streams submit, fairly across streams.
+
+    Contract: ``submit(owner, task, rows)`` queues ``task.decode_row(row, state)``
+    for each row on ``owner``'s queue (``owner`` is a stream; any hashable
+    object); the threads take one row at a time from the owners in turn, so a
+    stream with a deep queue cannot starve another. ``state`` is the running
+    thread's own, made once per thread by ``thread_state()``, never shared, so it
+    needs no lock (the server's is a ``Decoders``). A task that raises is logged
+    and the thread goes on: tasks report bad data themselves. ``drop(owner)``
+    takes an owner's rows off the queue and returns them (the caller skips
+    them), so cancelling a stream needs no free thread. ``close()`` stops the
+    threads once they have finished the row in hand; rows still queued are left.
+    ``DecodePool(0, ...)`` has no threads: rows wait until dropped (tests).
+    """
+
+    def __init__(self, threads: int, thread_state: Callable[[], State]):
         self.threads = threads
-        self._max_pixels = max_pixels
+        self._thread_state = thread_state
         self._cond = threading.Condition()
-        self._queues: dict[object, deque[tuple[RowTask, int]]] = {}
+        self._queues: dict[object, deque[tuple[RowTask[State], int]]] = {}
         self._turns: deque[object] = deque()  # streams with queued rows, next first
         self._closed = False
         self._workers = [threading.Thread(target=self._work, name=f"gpufeed-decode-{i}",
@@ -41,7 +64,7 @@ class DecodePool:
         for worker in self._workers:
             worker.start()
 
-    def submit(self, owner: object, task: RowTask, rows: range) -> None:
+    def submit(self, owner: object, task: RowTask[State], rows: range) -> None:
         """Queue ``task.decode_row(row)`` for each row, on ``owner``'s (a stream's) queue."""
         with self._cond:
             queue = self._queues.get(owner)
@@ -51,7 +74,7 @@ class DecodePool:
             queue.extend((task, row) for row in rows)
             self._cond.notify(len(rows))
 
-    def drop(self, owner: object) -> list[tuple[RowTask, int]]:
+    def drop(self, owner: object) -> list[tuple[RowTask[State], int]]:
         """Take ``owner``'s queued rows off the queue (a cancelled stream); returns them."""
         with self._cond:
             queue = self._queues.pop(owner, None)
@@ -77,7 +100,7 @@ class DecodePool:
         for worker in self._workers:
             worker.join()
 
-    def _next(self) -> tuple[RowTask, int] | None:
+    def _next(self) -> tuple[RowTask[State], int] | None:
         with self._cond:
             while not self._turns:
                 if self._closed:
@@ -93,11 +116,11 @@ class DecodePool:
             return task
 
     def _work(self) -> None:
-        decoders = Decoders(self._max_pixels)
+        state = self._thread_state()
         while (task := self._next()) is not None:
             job, row = task
             try:
-                job.decode_row(row, decoders)
+                job.decode_row(row, state)
             except Exception:  # a bug, not bad data: keep the thread alive, say so
                 _log.exception("decode task failed")
             # Held while this thread waits, the last task would keep its stream (and the

@@ -37,6 +37,7 @@ from ..media.samples import (
     VIDEO,
     ArrayRows,
     ImageRows,
+    RowReader,
     VideoRows,
     is_sample_file,
     sample_kind,
@@ -92,7 +93,7 @@ class StreamPlan:
     """Everything a stream needs, checked: located paths, labels, batches, output."""
 
     paths: LocatedPaths  # or, for tar shards, each sample's shard (shards.py)
-    reader: ImageRows | VideoRows | ArrayRows | ShardRows
+    reader: RowReader
     labels: np.ndarray | None
     classes: list[str]
     batches: Batches
@@ -202,7 +203,8 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     if not 0 <= req.start_batch <= len(batches):
         raise _invalid(f"start_batch must be in 0..{len(batches)} (batches in this stream), "
                        f"got {req.start_batch}")
-    plan = StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,
+    # types: paths: LocatedPaths, a shard set's, or a list: all index by sample
+    plan = StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,  # pyright: ignore[reportArgumentType]
                       batches=batches,
                       start_batch=req.start_batch, layout=layout, transform=transform,
                       transport=transport,
@@ -240,7 +242,8 @@ def _served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:
                        f"got {req.batch_offset}")
     if stride > 1 and req.job:
         raise _invalid("batch_stride: a shared job serves the whole pass; give one or the other")
-    return batches[req.batch_offset::stride]
+    # types: Batches' stub types a slice as an array
+    return batches[req.batch_offset::stride]  # pyright: ignore[reportReturnType]
 
 
 def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limits) -> int:
@@ -289,7 +292,7 @@ def _check_field_bytes(batch_size: int, fields: SampleFields, slot_bytes: int,
 
 
 def _pixels(req: feed_pb2.StreamRequest, kind: str, fields: SampleFields | None = None
-            ) -> tuple[OutputTransform, object]:
+            ) -> tuple[OutputTransform, RowReader]:
     """The output transform and row reader of an image or video stream."""
     height, width = req.output.height, req.output.width
     if height == width == 0:
@@ -361,7 +364,7 @@ def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarra
 
 def _own_arrays(with_labels: bool, padded: bool) -> list[tuple]:
     """gpufeed's per-sample arrays: index; label when labelled; padded when split over ranks."""
-    arrays = [("index", np.int64, ())]
+    arrays: list[tuple[str, type, tuple[int, ...]]] = [("index", np.int64, ())]
     if with_labels:
         arrays.append(("label", np.int64, ()))
     if padded:
@@ -393,7 +396,7 @@ def _image_layout(batch_size: int, transform: OutputTransform, own: list[tuple],
     return BatchLayout(batch_size, arrays, tuple(private), offsets)
 
 
-def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: list[int] | None,
+def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: np.ndarray | None,
             roots: DataRoots) -> tuple[np.ndarray | None, list[str]]:
     """Per-sample labels (or None) and, for folder labels, the class names."""
     source = req.label_source
@@ -508,9 +511,11 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
                 roots: DataRoots, limits: Limits) -> ShardSet | None:
     """The named tar shards, indexed (shards.py); None when the names are loose files."""
     try:
-        if not names_shards(names):
+        # types: SampleNames is a sequence of str, not a list
+        if not names_shards(names):  # pyright: ignore[reportArgumentType]
             return None
-        paths = locate_shards(names, prefix, roots)
+        # types: as above
+        paths = locate_shards(names, prefix, roots)  # pyright: ignore[reportArgumentType]
     except OutsideDataRoots as e:
         raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
     except ValueError as e:

@@ -25,10 +25,11 @@ import numpy as np
 import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
+from ..media.samples import Decoders
 from ..memory.budget import MemoryBudget, MemoryExhausted
 from ..memory.shm import ShmNamespace
 from ..metrics import ServerMetrics, transport_name
-from ..storage.paths import DataRoots
+from ..storage.roots import Storage
 from .pool import DecodePool
 from .request import Limits, RequestError, StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
@@ -47,7 +48,22 @@ _ATTACH_GRACE = 10.0
 
 
 class FeedServicer(feed_pb2_grpc.FeedServicer):
-    def __init__(self, roots: DataRoots, pool: DecodePool, shm: ShmNamespace,
+    """The Feed service: ``Info`` (what this server offers) and ``Stream`` (one pass).
+
+    Contract: a ``Stream`` call's first message is ``open`` with the request; the
+    request is checked and planned (``plan_stream``), admitted under
+    ``max_streams`` and the memory budget, and then served as a ``Stream`` whose
+    rows the shared ``pool`` decodes. Every refusal ends the call with a status
+    code and a message naming the cause (INVALID_ARGUMENT for a bad request,
+    RESOURCE_EXHAUSTED for a full server, UNAVAILABLE while draining), before
+    any batch. Once served, a call ends OK after its last batch, or with the
+    status of what ended it; either way its decode work stops and its slot
+    memory is freed. Status codes are chosen here, at the gRPC edge; the modules
+    below raise. ``drain(grace)`` refuses new streams and ends open ones after
+    ``grace`` seconds. Thread-safe: gRPC calls every method from its own threads.
+    """
+
+    def __init__(self, roots: Storage, pool: DecodePool[Decoders], shm: ShmNamespace,
                  limits: Limits, max_streams: int, metrics: ServerMetrics | None = None,
                  device=None, watchdog: Watchdog | None = None):
         self._watchdog = watchdog if watchdog is not None else Watchdog()
@@ -97,7 +113,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         reserved = 0
         try:
             try:
-                plan = plan_stream(first.open, self._roots, self._limits, self.transports)
+                # types: Storage is DataRoots' drop-in (storage/roots.py)
+                plan = plan_stream(first.open, self._roots, self._limits, self.transports)  # pyright: ignore[reportArgumentType]
                 reserved = self._memory.reserve(
                     plan.num_slots * plan.layout.slot_bytes + plan.nbytes,
                     f"this stream ({plan.num_slots} slots of {plan.layout.slot_bytes} bytes, "
@@ -111,7 +128,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             if refusal is not None:  # refused outside `except`: see _serve
                 plan = None
                 self._refuse(context, *refusal)
-            yield from self._serve(plan, job, memory, request_iterator, context)
+            # types: plan is set unless _refuse raised
+            yield from self._serve(plan, job, memory, request_iterator, context)  # pyright: ignore[reportArgumentType]
         finally:
             self._memory.give_back(reserved)
             with self._lock:
@@ -156,7 +174,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             if plan.transport == feed_pb2.TRANSPORT_CUDA_IPC:
                 from ..memory.cuda_ipc import DeviceRing
 
-                ring = DeviceRing(self._device, plan, self._metrics.stages["device_copy"].observe)
+                # types: a cuda_ipc plan exists only on a server with a device
+                ring = DeviceRing(self._device, plan, self._metrics.stages["device_copy"].observe)  # pyright: ignore[reportArgumentType]
                 return ring.host_buffer(), None, ring
             return bytearray(slots_bytes), None, None
         except (MemoryError, OSError, RuntimeError) as e:  # ENOSPC in /dev/shm, CUDA OOM
@@ -195,7 +214,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             reader.start()
             stalled.arm(plan.lease_timeout)
             yield feed_pb2.ServerMessage(header=feed_pb2.StreamHeader(
-                transport=plan.transport,
+                # types: protobuf's stub wants the enum type, the plan holds its int
+                transport=plan.transport,  # pyright: ignore[reportArgumentType]
                 shm_name=segment.name if segment else "",
                 num_slots=plan.num_slots,
                 slot_bytes=plan.layout.slot_bytes,
@@ -216,7 +236,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 stalled.disarm()
                 log.sent(batch)
                 if batch.rows:
-                    self._metrics.sent(plan.transport, message, time.perf_counter() - sending)
+                    # types: an InlineBatch stands for the ServerMessage it serializes to
+                    self._metrics.sent(plan.transport, message, time.perf_counter() - sending)  # pyright: ignore[reportArgumentType]
             log.status = "OK"
         except StreamCancelled as e:
             ending = e.code, e.message
@@ -336,7 +357,8 @@ def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.ServerMessage | I
         message.tensors.add(name=place.name, dtype=place.wire_dtype or place.dtype.name,
                             shape=array.shape, offset=offset if inline else place.offset)
         if inline and array.nbytes:
-            chunks.append(memoryview(np.ascontiguousarray(array)).cast("B"))
+            # types: numpy's stub lacks __buffer__; arrays have the buffer protocol
+            chunks.append(memoryview(np.ascontiguousarray(array)).cast("B"))  # pyright: ignore[reportArgumentType]
             padding = -array.nbytes % _INLINE_ALIGN
             if padding:
                 chunks.append(memoryview(bytes(padding)))

@@ -1,7 +1,7 @@
 """Where a stream's batches come from: its own pass, or a pass shared by a job.
 
-A stream asks its source for the next batch of the pass (``claim``) whenever it
-has a free slot. ``OwnBatches`` is a stream's private pass, from its resume
+A stream asks its source (a ``BatchSource``) for the next batch of the pass
+(``claim``) whenever it has a free slot. ``OwnBatches`` is a stream's private pass, from its resume
 position on, in order. ``SharedJob`` is one pass shared by every stream that
 names the same job and epoch (tf.data service's dynamic sharding): each batch
 goes to whichever consumer has a free slot first, so a slow consumer receives
@@ -33,6 +33,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
@@ -40,7 +41,7 @@ from gpufeed.v1 import feed_pb2
 
 from .request import RequestError, StreamPlan
 
-__all__ = ["JobRegistry", "OwnBatches", "SharedJob"]
+__all__ = ["BatchSource", "JobRegistry", "OwnBatches", "SharedJob"]
 
 # Jobs without a consumer kept at most; and for at most this long: the next
 # consumer to name a forgotten job starts a new pass.
@@ -48,7 +49,27 @@ _IDLE_KEPT = 256
 _IDLE_SECONDS = 600.0
 
 
-class OwnBatches:
+class BatchSource(Protocol):
+    """Where a stream takes the numbers of its pass's batches from.
+
+    ``claim`` hands out the next batch number to fill, or None when there is none
+    for this stream now; ``sent`` says a claimed batch reached its trainer;
+    ``give_back`` returns claimed batches never sent (a stream that ends early), to
+    be claimed again by another consumer; ``finished`` says every batch of the pass
+    was sent, so a stream that claims None can end. Called from the stream's
+    threads, so a source shared by several streams is thread-safe.
+    """
+
+    def claim(self) -> int | None: ...
+
+    def sent(self, index: int) -> None: ...
+
+    def give_back(self, indices: list[int]) -> None: ...
+
+    def finished(self) -> bool: ...
+
+
+class OwnBatches(BatchSource):
     """A stream's private pass: batches start_batch.. in order."""
 
     def __init__(self, plan: StreamPlan):
@@ -71,7 +92,7 @@ class OwnBatches:
         return self._next >= self._end
 
 
-class SharedJob:
+class SharedJob(BatchSource):
     """One pass over a job's batches, shared by its consumers. Thread-safe."""
 
     def __init__(self, name: str, num_batches: int, fingerprint: str):

@@ -28,11 +28,11 @@ from ..media.pipeline import TransformFailed
 from ..media.samples import Decoders
 from ..memory.ring import SlotRing
 from ..metrics import ServerMetrics
-from ..storage.paths import DataRoots
+from ..storage.roots import Storage
 from .order import samples_at
 from .pool import DecodePool
 from .request import StreamPlan
-from .sources import OwnBatches, SharedJob
+from .sources import BatchSource, OwnBatches
 
 __all__ = ["UNREAD", "Batch", "Stream", "StreamCancelled"]
 
@@ -89,7 +89,8 @@ class Batch:
         self.slot = slot
         self.number = number
         # Sample indices, and which rows repeat a sample to pad the ranks even (order.py).
-        indices, self.padded = samples_at(stream.plan.batches[number], len(stream.plan.paths))
+        # types: one batch of Batches is an array; the stub says either
+        indices, self.padded = samples_at(stream.plan.batches[number], len(stream.plan.paths))  # pyright: ignore[reportArgumentType]
         self.indices = indices
         self.arrays = stream.plan.layout.views(stream.ring.slot(slot))
         self.failures: list[tuple[int, str]] = []
@@ -228,14 +229,15 @@ class Batch:
             self.lengths = plan.fields.pack(self.arrays, rows)
         if plan.transform and self._stream.finish_on_host and not self._stream.cancelled:
             slot = torch.from_numpy(self._stream.ring.slot(self.slot))
-            plan.transform.finish_slot(plan.layout.views(slot), rows)
+            # types: views of a tensor slot are tensors; layout.views is typed for numpy
+            plan.transform.finish_slot(plan.layout.views(slot), rows)  # pyright: ignore[reportArgumentType]
         self._stream.metrics.stages["batch"].observe(time.perf_counter() - self._started)
 
 
 class Stream:
-    def __init__(self, plan: StreamPlan, roots: DataRoots, pool: DecodePool, buffer,
+    def __init__(self, plan: StreamPlan, roots: Storage, pool: DecodePool[Decoders], buffer,
                  metrics: ServerMetrics | None = None,
-                 source: OwnBatches | SharedJob | None = None, finish_on_host: bool = True):
+                 source: BatchSource | None = None, finish_on_host: bool = True):
         self.plan = plan
         # The batch pass runs on the host, or (cuda_ipc) on the device after the copy.
         self.finish_on_host = finish_on_host
@@ -270,7 +272,7 @@ class Stream:
                 if seq >= self._next_out:  # leased, but not sent: decode threads may be writing
                     raise KeyError(seq)
                 self.ring.release(seq)
-                self._batches.pop(seq).arrays = None  # sent and returned: nothing reads it
+                self._batches.pop(seq).arrays = {}  # sent and returned: nothing reads it
             if seqs:
                 self._last_release = time.monotonic()
             self._start_ready()
@@ -379,11 +381,10 @@ class Stream:
             # now rather than at the next garbage collection, so its memory (and a
             # shared-memory mapping's descriptor) goes as soon as the stream ends.
             for batch in self._batches.values():
-                batch.arrays = None
+                batch.arrays = {}
             self._batches.clear()
             self.ring.close()
-        if hasattr(self.plan.reader, "forget"):  # reads issued ahead for rows never decoded
-            self.plan.reader.forget(self.roots)
+        self.plan.reader.forget(self.roots)  # reads issued ahead for rows never decoded
         self.source.give_back(unsent)
 
     def _start_ready(self) -> None:
@@ -391,9 +392,9 @@ class Stream:
             number = self.source.claim()
             if number is None:
                 return
-            batch = Batch(self, self._next_seq, self.ring.lease(self._next_seq), number)
+            # types: a slot is free: _start_ready checked free_slots
+            batch = Batch(self, self._next_seq, self.ring.lease(self._next_seq), number)  # pyright: ignore[reportArgumentType]
             self._batches[self._next_seq] = batch
             self._next_seq += 1
-            if hasattr(self.plan.reader, "read_ahead"):  # the I/O stage (readahead.py)
-                self.plan.reader.read_ahead(self.roots, batch.indices)
+            self.plan.reader.read_ahead(self.roots, batch.indices)  # the I/O stage
             self._pool.submit(self, batch, range(len(batch.indices)))

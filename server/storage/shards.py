@@ -55,17 +55,21 @@ import re
 import tarfile
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import numpy as np
 
 from ..media.decode import DecodeError
 from ..media.fields import SampleFields
+from ..media.samples import Decoders, RowReader
 from ..media.transform import OutputTransform
 from .paths import OutsideDataRoots
-from .roots import is_s3
+from .readahead import PendingRead
+from .roots import Storage, is_s3
 
 __all__ = ["SHUFFLE_BUFFER", "TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet",
            "expand_braces", "names_shards"]
@@ -292,7 +296,8 @@ class ShardSet:
         if shuffle:
             shards = np.random.default_rng([seed, epoch]).permutation(shards)
         mine = shards[rank::world_size]
-        stream = np.concatenate([np.arange(self.first[s], self.first[s + 1]) for s in mine]) \
+        stream = np.concatenate([np.arange(int(self.first[s]), int(self.first[s + 1]))
+                                 for s in mine]) \
             if len(mine) else np.zeros(0, np.int64)
         order = stream.astype(np.int64)
         if shuffle:
@@ -352,7 +357,7 @@ class _SamplePaths:
         return self._shards.nbytes
 
 
-class ShardRows:
+class ShardRows(RowReader):
     """Reads a shard sample's image member (and label, and fields) into its row of a batch.
 
     A field (media/fields.py) is the member whose extension is its suffix without
@@ -368,9 +373,9 @@ class ShardRows:
             name: sidecar.suffix[1:].lower() for name, sidecar in fields.sidecars.items()}
         self.paths = _SamplePaths(shards)
         self._lock = threading.Lock()
-        self._ahead: dict[int, object] = {}  # sample -> its read issued ahead (readahead.py)
+        self._ahead: dict[int, PendingRead] = {}  # sample -> its read issued ahead (readahead.py)
 
-    def read_ahead(self, storage, samples: np.ndarray) -> None:
+    def read_ahead(self, storage: Storage, samples: np.ndarray) -> None:
         """Issue the reads of a batch's samples now, when the storage reads ahead (S3)."""
         if storage.read_ahead is None:
             return
@@ -382,7 +387,7 @@ class ShardRows:
                     self._ahead[sample] = storage.read_ahead.issue(
                         size, partial(storage.read_range, shard, start, size))
 
-    def forget(self, storage) -> None:
+    def forget(self, storage: Storage) -> None:
         """The stream ended: reads issued for rows nobody will decode give their bytes back."""
         with self._lock:
             ahead, self._ahead = self._ahead, {}
@@ -406,7 +411,8 @@ class ShardRows:
         start = min(offset for offset, _ in members)
         return shard, start, max(offset + size for offset, size in members) - start
 
-    def read_into(self, storage, path, index, arrays, row, decoders, stages) -> None:
+    def read_into(self, storage: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
+                  row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
         crop, flip = self.transform.choose(index)
         shard, shard_index, n = self.shards.locate(index)
         if shard_index.problem:
@@ -422,7 +428,9 @@ class ShardRows:
             offsets, _ = shard_index.others.get(suffix, _NONE)
             if n >= len(offsets) or offsets[n] < 0:
                 raise DecodeError(f"{name}: sample {n} has no .{suffix} member")
-        _, start, size = self._span(index)
+        span = self._span(index)
+        assert span is not None  # the checks above are the ones that make it None
+        _, start, size = span
         with stages["read"].time():
             with self._lock:
                 pending = self._ahead.pop(index, None)
