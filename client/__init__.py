@@ -1,9 +1,10 @@
 """gpufeed's trainer-side library.
 
-    from gpufeed.client import FeedClient
+    from gpufeed.client import FeedClient, Output
 
     with FeedClient("localhost:50051") as feed:
-        loader = feed.loader(files=paths, batch_size=256, size=(224, 224), shuffle=True)
+        train = Output(size=224, resize="random_resized_crop", flip=0.5)
+        loader = feed.loader(paths, batch_size=256, output=train, shuffle=True)
         for epoch in range(epochs):
             loader.set_epoch(epoch)
             for batch in loader:      # {"image": uint8 [N,3,H,W], "index": int64 [N], ...}
@@ -19,3 +20,6 @@ from .loader import Loader
 from .mixing import cutmix, mixup
 
 __all__ = ["FeedClient", "FeedError", "Field", "Loader", "cutmix", "metadata", "mixup", "split"]
+from .output import Output
+
+__all__ = ["FeedClient", "FeedError", "Field", "Loader", "Output", "metadata", "split"]

@@ -6,7 +6,7 @@ import json
 import numbers
 import os
 from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from typing import Any
 
 import grpc
 
@@ -16,34 +16,14 @@ from .connection import Connection
 from .errors import FeedError
 from .fields import Field, field_specs
 from .loader import Loader
+from .output import Output, choice
 
 __all__ = ["FeedClient"]
 
-_Enum = TypeVar("_Enum")  # a feed_pb2 enum type
-
 _TRANSPORTS = {"auto": feed_pb2.TRANSPORT_AUTO, "inline": feed_pb2.TRANSPORT_INLINE,
                "shm": feed_pb2.TRANSPORT_SHM, "cuda_ipc": feed_pb2.TRANSPORT_CUDA_IPC}
-_RESIZES = {"squash": feed_pb2.RESIZE_SQUASH, "center_crop": feed_pb2.RESIZE_SHORTER_CENTER_CROP,
-            "random_resized_crop": feed_pb2.RESIZE_RANDOM_RESIZED_CROP}
-_LAYOUTS = {"NCHW": feed_pb2.LAYOUT_NCHW, "NHWC": feed_pb2.LAYOUT_NHWC}
 _LABEL_SOURCES = {"list_file": feed_pb2.LABELS_FROM_LIST_FILE,
                   "folder": feed_pb2.LABELS_FROM_FOLDER}
-
-
-def _floats(values) -> list[float]:
-    """A list of floats from None, a sequence, a numpy array or a tensor."""
-    return [] if values is None else [float(v) for v in values]
-
-
-def _size(size: int | tuple[int, int] | None) -> tuple[int, int]:
-    """(height, width) from an int (a square), a pair, or None (arrays: no size)."""
-    if size is None:
-        return 0, 0
-    if isinstance(size, (int, numbers.Integral)):
-        return int(size), int(size)
-    if len(size) != 2:
-        raise ValueError(f"size must be an int or (height, width), got {size!r}")
-    return int(size[0]), int(size[1])
 
 
 def _prefix(prefix: str | os.PathLike) -> str:
@@ -115,16 +95,11 @@ class FeedClient:
         return self.servers[0].info()
 
     def loader(self, files: Sequence[str | os.PathLike] | str | os.PathLike, *,
-               batch_size: int, size: int | tuple[int, int] | None = None,
+               batch_size: int, output: Output | None = None,
                prefix: str | os.PathLike = "", labels: Sequence[int] | str | None = None,
                classes: Sequence[str] | None = None,
                shuffle: bool = False, seed: int = 0, epoch: int = 0, rank: int = 0,
-               world_size: int = 1, drop_last: bool = False, resize: str = "squash",
-               shorter_side: int = 0, scale: tuple[float, float] = (0.08, 1.0),
-               ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: float = 0.0,
-               dtype: str = "uint8", mean: Sequence[float] | None = None,
-               std: Sequence[float] | None = None, layout: str = "NCHW",
-               clip: tuple[int, int] | None = None, random_clip: bool = False,
+               world_size: int = 1, drop_last: bool = False,
                transport: str = "auto", prefetch: int = 0, copy: bool = False,
                failure_budget: int | float = 0, reconnect_timeout: float = 30.0,
                job: str = "", compression: str = "",
@@ -176,29 +151,81 @@ class FeedClient:
         its operator with ``--plugins``), run in order on each decoded image:
         names, or ``(name, {parameter: JSON value})`` pairs, e.g.
         ``[("color_jitter", {"brightness": 0.4}), "trivial_augment_wide"]``.
+               compression: str = "", failure_budget: int | float = 0,
+               reconnect_timeout: float = 30.0, job: str = "",
+               fields: Mapping[str, Field | str] | Sequence[str] | None = None,
+               **output_fields: Any) -> Loader:
+        """A loader: an iterable of batches, each pass one epoch of ``files``.
 
         The first stream is opened here: a refused request raises FeedError
         now, and ``loader.classes`` and ``len(loader)`` are known.
+
+        Args:
+            files: a list of paths, or the path of a list file on the server
+                (``str`` or ``pathlib.Path`` alike). A directory
+                (``files="train/"``, or one in the list) stands for the image,
+                video or array files under it, recursively, in ImageFolder's
+                order. Array files (.npy, .npz, .pt) give each key of the file
+                as a tensor of that name ("array" for .npy).
+            batch_size: samples per batch.
+            output: what each sample becomes (``Output``: size, resize, crops,
+                flips, dtype, normalisation, layout, video clips). Its fields
+                may instead be given as keywords here (``size=(224, 224)``,
+                ``resize=...``), as scripts written before ``Output`` do; not
+                both.
+            prefix: prepended to every file; a ``Path`` prefix is a directory
+                (``prefix / name``), a ``str`` prefix is prepended as it is.
+            labels: one int per file; "list_file" (the list file's lines are
+                ``path<TAB>label``); or "folder" (each file's class folder is
+                its class, numbered as ImageFolder does).
+            classes: the folder labels' class names, in order; else the sorted
+                subdirectories of the dataset directory (``loader.classes``).
+            shuffle, seed: a new order each epoch, from (seed, epoch).
+            epoch: the first pass's epoch; each new pass is the next epoch
+                unless ``set_epoch`` or ``load_state_dict`` chose one.
+            rank, world_size: this trainer's part of the data set; every rank
+                gets as many batches (repeats marked in ``padded``).
+            drop_last: leave out a last, short batch.
+            transport: "auto" (the fastest the server offers this trainer),
+                "inline", "shm" or "cuda_ipc".
+            prefetch: batches the server may decode ahead (0: its default).
+            copy: owned tensors always, instead of views of shared memory (shm,
+                cuda_ipc) while the trainer holds fewer than ``prefetch`` of
+                them, or read-only views of the received message (inline).
+            compression: "zstd" or "lz4": compress inline batches losslessly
+                (worth it for array samples, not for decoded pixels: README.md).
+            failure_budget: samples that may fail before the pass ends with
+                DATA_LOSS: an int is a count, a float in (0, 1) a fraction of
+                the pass, 0 the server's default (10 samples or 0.1%).
+            reconnect_timeout: seconds to keep reconnecting after a server that
+                has answered becomes unavailable (0: never); one that never
+                answered fails at once.
+            job: share one pass with every loader naming the same job (one
+                server only; see gpufeed/server/serving/sources.py for what
+                that keeps and loses).
+            fields: a sample's fields beside its image, each from a sidecar
+                file: names (``["mask", "boxes", "meta"]``, default sidecars)
+                or a dict of name to a ``Field`` or a suffix; each is a tensor
+                of the batch (fields.py, README).
+            **output_fields: ``Output``'s fields as flat keywords.
+
+        Raises:
+            ValueError: an option the client can check is out of range.
+            TypeError: a keyword that is neither an argument nor an output field.
+            FeedError: the server refused the request (its status and message).
         """
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(_TRANSPORTS)}, got {transport!r}")
         if job and len(self.servers) > 1:
             raise ValueError("a shared job lives on one server; give FeedClient one address")
-        height, width = _size(size)
-        output = feed_pb2.OutputSpec(
-            height=height, width=width, resize=_choice("resize", resize, _RESIZES),
-            shorter_side=shorter_side, scale_min=scale[0], scale_max=scale[1],
-            ratio_min=ratio[0], ratio_max=ratio[1], flip_probability=flip, dtype=dtype,
-            mean=_floats(mean), std=_floats(std), layout=_choice("layout", layout, _LAYOUTS))
+        output = Output.from_keywords(output, output_fields)
         label_source = feed_pb2.LABELS_FROM_REQUEST
         if isinstance(labels, str):
-            label_source, labels = _choice("labels", labels, _LABEL_SOURCES), None
+            label_source, labels = choice("labels", labels, _LABEL_SOURCES), None
         request = feed_pb2.StreamRequest(
             prefix=_prefix(prefix), labels=[] if labels is None else [int(x) for x in labels],
             label_source=label_source, classes=list(classes or ()),
-            batch_size=batch_size, output=output,
-            clip=feed_pb2.ClipSpec(frames=clip[0], stride=clip[1], random_start=random_clip)
-            if clip else None,
+            batch_size=batch_size, output=output.spec(), clip=output.clip_spec(),
             drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank,
             world_size=world_size, transport=_TRANSPORTS[transport], prefetch=prefetch, job=job,
             compression=compression, fields=field_specs(fields),
