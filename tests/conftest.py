@@ -41,6 +41,16 @@ def server(data_dir):
 
 
 @pytest.fixture()
+def two_servers(data_dir):
+    """Two servers of data_dir, one decode thread each (tests of several servers)."""
+    servers = [ServerProcess(["--data-root", str(data_dir), "--threads", "1"]).start()
+               for _ in range(2)]
+    yield servers
+    for server in servers:
+        server.kill()
+
+
+@pytest.fixture()
 def feed(server):
     from gpufeed.client import FeedClient
 

@@ -19,15 +19,6 @@ OPTIONS = dict(batch_size=6, size=(16, 16), shuffle=True, seed=8, resize="random
                flip=0.5, prefetch=1)
 
 
-@pytest.fixture()
-def two_servers(data_dir):
-    servers = [ServerProcess(["--data-root", str(data_dir), "--threads", "1"]).start()
-               for _ in range(2)]
-    yield servers
-    for server in servers:
-        server.kill()
-
-
 def _kill(server: ServerProcess) -> None:
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait()

@@ -17,15 +17,6 @@ def _indices(loader) -> list[int]:
     return [i for b in loader for i in b["index"].tolist()]
 
 
-@pytest.fixture()
-def two_servers(data_dir):
-    servers = [ServerProcess(["--data-root", str(data_dir), "--threads", "1"]).start()
-               for _ in range(2)]
-    yield servers
-    for server in servers:
-        server.kill()
-
-
 def test_an_epoch_spread_over_two_servers(two_servers, image_names):
     files = image_names[:100]
     with FeedClient([s.address for s in two_servers]) as feed:
