@@ -219,7 +219,7 @@ def decode_frame(data: bytes, max_pixels: int) -> av.VideoFrame:
         check_size(*declared)
     try:
         return _decode_other(data, check_size)
-    except av.FFmpegError as e:
+    except FFmpegError as e:
         raise DecodeError(f"not a decodable image: {e}") from None
 
 

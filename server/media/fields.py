@@ -246,7 +246,9 @@ class SampleFields:
             raise DecodeError(f"mask: {frame.width}x{frame.height}, but the image is "
                               f"{placed.src_w}x{placed.src_h}")
         plane = frame.planes[0]
-        ids = np.frombuffer(plane, np.uint8).reshape(frame.height, plane.line_size)
+        # A plane has the buffer protocol; PyAV's stub does not say so.
+        ids = np.frombuffer(plane, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
+            frame.height, plane.line_size)
         return nearest_window(ids[:, :frame.width], placed.box, self.height, self.width, flip)
 
     def _boxes(self, data: bytes, placed: Placed, flip: bool) -> np.ndarray:
