@@ -18,8 +18,7 @@ from .feed import FeedClient
 from .fields import Field, metadata, split
 from .loader import Loader
 from .mixing import cutmix, mixup
-
-__all__ = ["FeedClient", "FeedError", "Field", "Loader", "cutmix", "metadata", "mixup", "split"]
 from .output import Output
 
-__all__ = ["FeedClient", "FeedError", "Field", "Loader", "Output", "metadata", "split"]
+__all__ = ["FeedClient", "FeedError", "Field", "Loader", "Output", "cutmix", "metadata", "mixup",
+           "split"]

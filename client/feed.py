@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import numbers
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -52,13 +51,6 @@ def _sample_transforms(transforms: Sequence[str | tuple[str, dict]]
     return specs
 
 
-def _choice(name: str, value: str, choices: dict) -> int:
-def _choice(name: str, value: str, choices: dict[str, _Enum]) -> _Enum:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    return choices[value]
-
-
 class FeedClient:
     """Connections to ``address`` ("host:port", or several). A context manager.
 
@@ -101,59 +93,10 @@ class FeedClient:
                shuffle: bool = False, seed: int = 0, epoch: int = 0, rank: int = 0,
                world_size: int = 1, drop_last: bool = False,
                transport: str = "auto", prefetch: int = 0, copy: bool = False,
-               failure_budget: int | float = 0, reconnect_timeout: float = 30.0,
-               job: str = "", compression: str = "",
-               fields: Mapping[str, Field | str] | Sequence[str] | None = None,
-               transforms: Sequence[str | tuple[str, dict]] = ()) -> Loader:
-        """A loader over ``files``: a list of paths, or the path of a list file on the server
-        (``str`` or ``pathlib.Path`` alike). A ``Path`` prefix is a directory: its
-        files are ``prefix / name``; a ``str`` prefix is prepended as it is.
-
-        A directory (``files="train/"``, or one in the list) stands for the
-        image, video or array files under it, recursively, in ImageFolder's order.
-        ``labels``: one int per file, or "list_file" (the list file's lines are
-        ``path<TAB>label``), or "folder" (each file's class folder is its class,
-        numbered as ImageFolder does: ``classes`` if given, else the sorted
-        subdirectories of the dataset directory; ``loader.classes`` lists them).
-        ``size`` is (height, width), or one int for a square.
-        ``resize``: "squash" (to exactly ``size``), "center_crop" (evaluation:
-        shorter side to ``shorter_side``, 0 meaning floor(size / 0.875), then the centre)
-        or "random_resized_crop" (training, with ``scale`` and ``ratio`` ranges as
-        in torchvision). ``flip``: probability of a horizontal flip. ``dtype``:
-        "uint8", or "float32"/"float16"/"bfloat16" for x / 255, then (x - mean) /
-        std when ``mean`` and ``std`` are given. ``layout``: "NCHW" or "NHWC".
-        Random choices depend on (seed, epoch, sample) only. ``epoch`` is the
-        first pass's; each new pass is the next epoch unless ``set_epoch`` chose
-        one. Video files need ``clip=(frames, stride)``: each sample is ``image`` [frames, 3, H, W],
-        from a random start with ``random_clip`` (training), else centred.
-        Array files (.npy, .npz, .pt) need no ``size``: each key of the file is
-        a tensor of that name ("array" for .npy). uint8 is 2-4x less
-        to move than floats: over inline (remote) transports prefer it and
-        normalise on the trainer's GPU. ``compression`` ("zstd" or "lz4"):
-        compress inline batches losslessly (worth it for array samples, not for
-        decoded pixels: see README.md). ``prefetch`` is how many batches the server
-        may decode ahead (0: the server's default). ``copy=True`` makes shm and
-        cuda_ipc batches owned tensors always, instead of views of shared memory
-        while the trainer holds fewer than ``prefetch`` of them, and inline
-        batches owned, writable tensors instead of read-only views of the
-        received message.
-        ``failure_budget``: how many samples may fail before the pass ends with
-        DATA_LOSS; an int is a count, a float in (0, 1) a fraction of the pass,
-        0 the server's default (10 samples or 0.1%). ``reconnect_timeout``:
-        seconds to keep reconnecting after a server that has answered becomes
-        unavailable (0: never); one that never answered fails at once.
-        ``job``: share one pass with every loader naming the same job (one
-        server only; see gpufeed/server/serving/sources.py for what that keeps and loses).
-        ``fields``: a sample's fields beside its image, each from a sidecar file:
-        names (``["mask", "boxes", "meta"]``, default sidecars) or a dict of name to
-        a ``Field`` or a suffix; each is a tensor of the batch (fields.py, README).
-        ``transforms``: sample transforms the server has (built in, or installed by
-        its operator with ``--plugins``), run in order on each decoded image:
-        names, or ``(name, {parameter: JSON value})`` pairs, e.g.
-        ``[("color_jitter", {"brightness": 0.4}), "trivial_augment_wide"]``.
                compression: str = "", failure_budget: int | float = 0,
                reconnect_timeout: float = 30.0, job: str = "",
                fields: Mapping[str, Field | str] | Sequence[str] | None = None,
+               transforms: Sequence[str | tuple[str, dict]] = (),
                **output_fields: Any) -> Loader:
         """A loader: an iterable of batches, each pass one epoch of ``files``.
 
@@ -207,6 +150,11 @@ class FeedClient:
                 file: names (``["mask", "boxes", "meta"]``, default sidecars)
                 or a dict of name to a ``Field`` or a suffix; each is a tensor
                 of the batch (fields.py, README).
+            transforms: sample transforms the server has (built in, or
+                installed by its operator with ``--plugins``), run in order on
+                each decoded image: names, or ``(name, {parameter: JSON
+                value})`` pairs, e.g. ``[("color_jitter", {"brightness": 0.4}),
+                "trivial_augment_wide"]``.
             **output_fields: ``Output``'s fields as flat keywords.
 
         Raises:
