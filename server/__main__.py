@@ -8,6 +8,8 @@ import signal
 import sys
 import threading
 
+import torch
+
 import gpufeed
 
 try:
@@ -117,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     lifecycle.setLevel(logging.INFO)
     if args.threads < 1:
         _parser().error("--threads must be at least 1")
+    # The decode threads are the parallelism: a torch op inside one (the batch pass,
+    # a sample transform) that also fans out over every core only makes the threads
+    # fight for them, as in a DataLoader worker, which sets the same.
+    torch.set_num_threads(1)
     if args.max_waiting_calls < 1 or not args.open_timeout > 0:
         _parser().error("--max-waiting-calls and --open-timeout must be positive")
     if bool(args.tls_cert) != bool(args.tls_key):
