@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(weed_binary() is None,
 COUNTS = [6, 9, 4]
 SIZE = (32, 40)
 SHARDS = "s3://data/train/shard-{00..02}.tar"
+LOOSE = 30  # loose JPEG objects under train/loose/
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,8 @@ def s3(tmp_path_factory):
         client.put_object(Bucket="other", Key="train/shard-00.tar", Body=shard_bytes(0, 2)[0])
         client.put_object(Bucket="data", Key="train-evil/shard-00.tar", Body=shard_bytes(0, 2)[0])
         rng = np.random.default_rng(7)
-        loose = [encode_jpeg(synthetic_photo(rng, 50, 60)) for _ in range(3)]
+        loose = [encode_jpeg(synthetic_photo(rng, int(rng.integers(40, 90)),
+                                             int(rng.integers(40, 90)))) for _ in range(LOOSE)]
         for i, jpeg in enumerate(loose):
             client.put_object(Bucket="data", Key=f"train/loose/{i}.jpg", Body=jpeg)
         server.jpegs, server.loose = jpegs, loose
@@ -165,18 +167,50 @@ def test_read_ahead_off_or_starved_gives_the_same_batches(s3, feed, read_ahead):
     assert all((g[2] == e[2]).all() for g, e in zip(got, expected))
 
 
+def _metric(address: str, name: str) -> float:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))
+
+
 def test_storage_metrics_per_source(feed, metrics_address):
     list(feed.loader([SHARDS], batch_size=4, size=SIZE))
-    with urllib.request.urlopen(f"http://{metrics_address[1]}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
+    address = metrics_address[1]
+    assert _metric(address, 'gpufeed_storage_read_bytes_total{source="s3"}') > 0
+    assert _metric(address, 'gpufeed_storage_read_seconds_count{source="s3"}') >= sum(COUNTS)
+    assert _metric(address, 'gpufeed_storage_read_bytes_total{source="local"}') == 0
+    # every read taken: nothing held
+    assert _metric(address, "gpufeed_storage_read_ahead_bytes") == 0
+    assert _metric(address, "gpufeed_storage_read_ahead_reads") == 0
 
-    def value(name: str) -> float:
-        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-        assert match, name
-        return float(match.group(1))
 
-    assert value('gpufeed_storage_read_bytes_total{source="s3"}') > 0
-    assert value('gpufeed_storage_read_seconds_count{source="s3"}') >= sum(COUNTS)
-    assert value('gpufeed_storage_read_bytes_total{source="local"}') == 0
-    assert value("gpufeed_storage_read_ahead_bytes") == 0  # every read taken: nothing held
-    assert value("gpufeed_storage_read_ahead_reads") == 0
+def _loose_pass(feed) -> list[tuple[list[int], list[int], object]]:
+    names = [f"s3://data/train/loose/{i}.jpg" for i in range(LOOSE)]
+    loader = feed.loader(names, labels=[100 + i for i in range(LOOSE)], batch_size=4,
+                         size=SIZE, shuffle=True, seed=5)
+    batches = [(b["index"].tolist(), b["label"].tolist(), b["image"].clone()) for b in loader]
+    assert loader.failures == []
+    return batches
+
+
+@pytest.mark.parametrize("budget", ["0", "4096"], ids=["off", "a_few_objects"])
+def test_loose_objects_read_ahead_every_one_once_as_read_one_by_one(s3, feed, metrics_address,
+                                                                    budget):
+    address = metrics_address[1]
+    started = _metric(address, "gpufeed_storage_read_ahead_started_total")
+    ahead = _loose_pass(feed)
+    assert _metric(address, "gpufeed_storage_read_ahead_started_total") > started
+    assert _metric(address, "gpufeed_storage_read_ahead_bytes") == 0
+    assert sorted(i for indices, _, _ in ahead for i in indices) == list(range(LOOSE))
+    for indices, labels, images in ahead:
+        assert labels == [100 + i for i in indices]
+        for i, image in zip(indices, images.numpy()):
+            assert psnr(image, _reference(s3.loose[i])) >= MIN_PSNR_DB
+    # The same batches with read-ahead off, or a budget of a few objects (reads of unknown
+    # size put back when their real size does not fit): order and pixels are the same.
+    with _server(s3, "--read-ahead-bytes", budget) as server, FeedClient(server.address) as other:
+        got = _loose_pass(other)
+    assert [g[:2] for g in got] == [a[:2] for a in ahead]
+    assert all((g[2] == a[2]).all() for g, a in zip(got, ahead))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -20,6 +21,8 @@ import numpy as np
 from .arrays import array_layout, check, read_arrays
 from .decode import DEFAULT_MAX_PIXELS, ImageDecoder
 from .fields import SampleFields
+from ..storage.readahead import StreamReads
+from ..storage.roots import is_s3
 from .transform import CLIP, OutputTransform, sample_rng
 from .video import VideoDecoder, centred_start, random_start
 
@@ -91,15 +94,16 @@ class RowReader(Protocol):
     it raises (OSError, DecodeError, ...) to fail that sample alone. ``stages``
     holds the metrics' stage timers by name ("read", "decode"). ``read_ahead``
     and ``forget`` are the I/O stage: readers whose storage can read ahead (S3
-    shards) issue a batch's reads when the batch is claimed and drop the ones
+    shards and loose objects) issue a batch's reads when the batch is claimed and drop the ones
     never used when the stream ends; the defaults here do nothing.
     """
 
     def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None: ...
 
-    def read_ahead(self, roots: Storage, samples: np.ndarray) -> None:
-        """Issue the reads of a claimed batch's ``samples`` now (default: nothing)."""
+    def read_ahead(self, roots: Storage, samples: np.ndarray, paths: Sequence[str]) -> None:
+        """Issue the reads of a claimed batch's ``samples`` (``paths[i]``: sample i's located
+        path) now (default: nothing)."""
 
     def forget(self, roots: Storage) -> None:
         """The stream ended: drop reads issued ahead for rows never decoded (default: nothing)."""
@@ -111,12 +115,30 @@ class ImageRows(RowReader):
     def __init__(self, transform: OutputTransform, fields: SampleFields | None = None):
         self.transform = transform
         self.fields = fields
+        self._ahead = StreamReads()  # S3 objects' reads issued ahead (storage/readahead.py)
+
+    def read_ahead(self, roots: Storage, samples: np.ndarray, paths: Sequence[str]) -> None:
+        """Issue the reads of a batch's S3 objects now, when the storage reads ahead (plain
+        local ``DataRoots`` have no I/O stage)."""
+        stage = getattr(roots, "read_ahead", None)
+        if stage is None:
+            return
+        for sample in samples.tolist():
+            path = paths[sample]
+            if is_s3(path):  # located and confined when the stream was planned
+                self._ahead.issue(stage, sample, None, partial(roots.read, path),
+                                  partial(roots.open_object, path))
+
+    def forget(self, roots: Storage) -> None:
+        """The stream ended: reads issued for rows nobody will decode give their bytes back."""
+        self._ahead.forget(getattr(roots, "read_ahead", None))
 
     def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
         crop, flip = self.transform.choose(index)
         with stages["read"].time():
-            data = roots.read(path)
+            data = self._ahead.take(getattr(roots, "read_ahead", None), index,
+                                    partial(roots.read, path))
         image = arrays.get("decoded", arrays["image"])[row]
         with stages["decode"].time():  # the decoder flips; the batch pass does not
             placed = decoders.image.decode_into(data, image, crop, flip)

@@ -396,5 +396,5 @@ class Stream:
             batch = Batch(self, self._next_seq, self.ring.lease(self._next_seq), number)  # pyright: ignore[reportArgumentType]
             self._batches[self._next_seq] = batch
             self._next_seq += 1
-            self.plan.reader.read_ahead(self.roots, batch.indices)  # the I/O stage
+            self.plan.reader.read_ahead(self.roots, batch.indices, self.plan.paths)  # I/O stage
             self._pool.submit(self, batch, range(len(batch.indices)))

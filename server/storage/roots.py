@@ -172,6 +172,20 @@ class Storage:
         self._observe(path, len(data), started)
         return data
 
+    def open_object(self, path: str) -> tuple[int, _ObjectBody]:
+        """An S3 object's size and unread body (the I/O stage reads loose objects so, to learn
+        their size before their bytes); FileTooLarge past ``max_file_bytes``, unread."""
+        started = time.perf_counter()
+        bucket, key = _split_s3(path)
+        with _s3_errors(path):
+            reply = self._client.get_object(Bucket=bucket, Key=key)
+        size = int(reply["ContentLength"])
+        if size > self.max_file_bytes:
+            reply["Body"].close()
+            raise FileTooLarge(f"object of {size} bytes, over the limit of "
+                               f"{self.max_file_bytes} (gpufeed-server --max-file-bytes)")
+        return size, _ObjectBody(self, path, reply["Body"], started)
+
     def _observe(self, path: str, size: int, started: float) -> None:
         if self._bytes is not None:
             source = "s3" if is_s3(path) else "local"
@@ -227,6 +241,22 @@ class Storage:
         return self._local
 
 
+class _ObjectBody:
+    """An answered GET's body, counted in the storage metrics when read."""
+
+    def __init__(self, storage: Storage, path: str, body, started: float):
+        self._storage, self._path, self._body, self._started = storage, path, body, started
+
+    def read(self) -> bytes:
+        with _s3_errors(self._path):
+            data = self._body.read()
+        self._storage._observe(self._path, len(data), self._started)
+        return data
+
+    def close(self) -> None:
+        self._body.close()
+
+
 def _s3_client(endpoint: str | None, connections: int):
     try:
         import boto3
@@ -277,15 +307,20 @@ class _s3_errors:
 
 
 class _ReadAheadDepth:
-    """Scrape-time gauges of the I/O stage: reads queued or under way, bytes held."""
+    """Scrape-time figures of the I/O stage: reads started, reads queued, bytes held."""
 
     def __init__(self, storage: Storage):
         self._storage = storage
 
     def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        queued, held = self._storage.read_ahead.depth() if self._storage.read_ahead else (0, 0)
+        stage = self._storage.read_ahead
+        queued, held = stage.depth() if stage else (0, 0)
+        yield CounterMetricFamily("gpufeed_storage_read_ahead_started", "Reads the I/O "
+                                  "threads started ahead of the decode threads (S3 shard "
+                                  "samples and loose objects).",
+                                  value=stage.started if stage else 0)
         yield GaugeMetricFamily("gpufeed_storage_read_ahead_reads", "Reads issued ahead of "
                                 "the decode threads and not yet started or taken (S3).",
                                 value=queued)

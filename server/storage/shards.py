@@ -55,7 +55,7 @@ import re
 import tarfile
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -68,7 +68,7 @@ from ..media.fields import SampleFields
 from ..media.samples import Decoders, RowReader
 from ..media.transform import OutputTransform
 from .paths import OutsideDataRoots
-from .readahead import PendingRead
+from .readahead import StreamReads
 from .roots import Storage, is_s3
 
 __all__ = ["SHUFFLE_BUFFER", "TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet",
@@ -372,10 +372,10 @@ class ShardRows(RowReader):
         self._members = {} if fields is None else {
             name: sidecar.suffix[1:].lower() for name, sidecar in fields.sidecars.items()}
         self.paths = _SamplePaths(shards)
-        self._lock = threading.Lock()
-        self._ahead: dict[int, PendingRead] = {}  # sample -> its read issued ahead (readahead.py)
+        self._ahead = StreamReads()  # samples' reads issued ahead (readahead.py)
 
-    def read_ahead(self, storage: Storage, samples: np.ndarray) -> None:
+    def read_ahead(self, storage: Storage, samples: np.ndarray,
+                   paths: Sequence[str] = ()) -> None:
         """Issue the reads of a batch's samples now, when the storage reads ahead (S3)."""
         if storage.read_ahead is None:
             return
@@ -383,16 +383,12 @@ class ShardRows(RowReader):
             span = self._span(sample)
             if span is not None and is_s3(span[0]):
                 shard, start, size = span
-                with self._lock:
-                    self._ahead[sample] = storage.read_ahead.issue(
-                        size, partial(storage.read_range, shard, start, size))
+                self._ahead.issue(storage.read_ahead, sample, size,
+                                  partial(storage.read_range, shard, start, size))
 
     def forget(self, storage: Storage) -> None:
         """The stream ended: reads issued for rows nobody will decode give their bytes back."""
-        with self._lock:
-            ahead, self._ahead = self._ahead, {}
-        for pending in ahead.values():
-            storage.read_ahead.drop(pending)
+        self._ahead.forget(storage.read_ahead)
 
     def _span(self, sample: int) -> tuple[str, int, int] | None:
         """(shard, offset, size) of the bytes holding a sample's members; None if it fails."""
@@ -432,10 +428,8 @@ class ShardRows(RowReader):
         assert span is not None  # the checks above are the ones that make it None
         _, start, size = span
         with stages["read"].time():
-            with self._lock:
-                pending = self._ahead.pop(index, None)
-            data = storage.read_ahead.take(pending) if pending is not None else \
-                storage.read_range(shard, start, size)
+            data = self._ahead.take(storage.read_ahead, index,
+                                    partial(storage.read_range, shard, start, size))
         if len(data) < size:
             raise DecodeError(f"truncated shard (sample {n} runs past its end)")
         if self.shards.has_labels:

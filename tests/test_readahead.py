@@ -1,0 +1,134 @@
+"""The I/O stage's byte budget (server/storage/readahead.py), over a fake object store:
+bodies are read only within the budget, reads of unknown size included, and every read
+gives back the bytes it held. The real-S3 passes are in test_s3.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from gpufeed.server.storage.readahead import ReadAhead, StreamReads
+
+
+class _Store:
+    """Objects of given sizes. Counts the bytes of bodies read by the I/O stage and not yet
+    taken (what the budget bounds), and the bodies closed unread."""
+
+    def __init__(self, sizes: list[int]):
+        self.objects = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+        self._lock = threading.Lock()
+        self.in_memory = self.most_in_memory = self.closed_unread = 0
+        self._ahead: set[int] = set()  # objects an I/O thread read
+
+    def read(self, i: int) -> bytes:  # the whole read: an I/O thread's, or a decode thread's
+        if threading.current_thread().name.startswith("gpufeed-io"):
+            self.got(i)
+        return self.objects[i]
+
+    def got(self, i: int) -> None:
+        with self._lock:
+            self._ahead.add(i)
+            self.in_memory += len(self.objects[i])
+            self.most_in_memory = max(self.most_in_memory, self.in_memory)
+
+    def open(self, i: int) -> tuple[int, _Body]:
+        return len(self.objects[i]), _Body(self, i)
+
+    def taken(self, i: int) -> None:
+        with self._lock:
+            if i in self._ahead:
+                self._ahead.remove(i)
+                self.in_memory -= len(self.objects[i])
+
+
+class _Body:
+    def __init__(self, store: _Store, i: int):
+        self._store, self._i = store, i
+
+    def read(self) -> bytes:
+        self._store.got(self._i)
+        return self._store.objects[self._i]
+
+    def close(self) -> None:
+        with self._store._lock:
+            self._store.closed_unread += 1
+
+
+def _until(condition, seconds: float = 20.0) -> None:
+    """Wait for a state the I/O threads reach by themselves (they read from memory)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the I/O stage did not get there"
+        time.sleep(0.002)
+
+
+def _issue(stage: ReadAhead, store: _Store, sized: bool) -> list:
+    return [stage.issue(len(data) if sized else None, lambda i=i: store.read(i),
+                        None if sized else (lambda i=i: store.open(i)))
+            for i, data in enumerate(store.objects)]
+
+
+def _take_all(stage: ReadAhead, store: _Store, pending: list) -> None:
+    for i, read in enumerate(pending):
+        assert stage.take(read) == store.objects[i]
+        store.taken(i)
+
+
+def test_a_read_of_unknown_size_that_no_longer_fits_goes_back_unread():
+    # One I/O thread: the first two (100 B) fit; the third, charged the mean so far
+    # (100 B), turns out 900 B and 200 + 900 > 1000: its body is closed unread.
+    store = _Store([100, 100, 900, 900, 50, 400])
+    stage = ReadAhead(threads=1, budget=1000)
+    try:
+        pending = _issue(stage, store, sized=False)
+        _until(lambda: stage.depth() == (4, 200))
+        assert store.in_memory == 200 and store.closed_unread == 1
+        _take_all(stage, store, pending)
+        assert store.most_in_memory <= 1000
+        assert stage.depth() == (0, 0) and store.in_memory == 0
+    finally:
+        stage.close()
+
+
+def test_the_budget_bounds_the_bytes_read_ahead_with_many_threads():
+    rng = np.random.default_rng(3)
+    for sized in (True, False):
+        store = _Store(rng.integers(1, 700, 300).tolist())
+        stage = ReadAhead(threads=4, budget=2000)
+        try:
+            pending = _issue(stage, store, sized)
+            _until(lambda: stage.started > 0)
+            _take_all(stage, store, pending)
+            assert store.most_in_memory <= 2000
+            assert stage.depth() == (0, 0) and store.in_memory == 0
+        finally:
+            stage.close()
+
+
+def test_a_read_larger_than_the_budget_still_starts_alone():
+    store = _Store([5000, 10])
+    stage = ReadAhead(threads=2, budget=1000)
+    try:
+        pending = _issue(stage, store, sized=False)
+        _until(lambda: stage.depth() == (1, 5000))  # the second waits for the first
+        _take_all(stage, store, pending)
+    finally:
+        stage.close()
+
+
+def test_reads_of_an_ended_stream_give_their_bytes_back():
+    store = _Store([300] * 10)
+    stage = ReadAhead(threads=2, budget=1000)
+    reads = StreamReads()
+    try:
+        for i in range(10):
+            reads.issue(stage, i, None, lambda i=i: store.read(i), lambda i=i: store.open(i))
+        reads.issue(stage, 0, None, lambda: b"", lambda: (0, None))  # a repeat: read once
+        assert reads.take(stage, 0, lambda: b"not ahead") == store.objects[0]
+        assert reads.take(stage, 0, lambda: b"not ahead") == b"not ahead"
+        reads.forget(stage)
+        _until(lambda: stage.depth() == (0, 0))
+    finally:
+        stage.close()
