@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import re
 import socket
+import tarfile
+import time
 import urllib.request
 
 import grpc
@@ -37,10 +39,11 @@ def s3(tmp_path_factory):
         client = server.client()
         for bucket in ("data", "other"):
             client.create_bucket(Bucket=bucket)
-        jpegs, first = [], 0
+        jpegs, shards, first = [], [], 0
         for s, count in enumerate(COUNTS):
             data, shard_jpegs = shard_bytes(first, count)
             client.put_object(Bucket="data", Key=f"train/shard-{s:02d}.tar", Body=data)
+            shards.append(data)
             jpegs += shard_jpegs
             first += count
         client.put_object(Bucket="data", Key="bad/cut.tar", Body=cut_shard())
@@ -52,7 +55,7 @@ def s3(tmp_path_factory):
                                              int(rng.integers(40, 90)))) for _ in range(LOOSE)]
         for i, jpeg in enumerate(loose):
             client.put_object(Bucket="data", Key=f"train/loose/{i}.jpg", Body=jpeg)
-        server.jpegs, server.loose = jpegs, loose
+        server.jpegs, server.loose, server.shards = jpegs, loose, shards
         yield server
 
 
@@ -168,11 +171,24 @@ def test_read_ahead_off_or_starved_gives_the_same_batches(s3, feed, read_ahead):
 
 
 def _metric(address: str, name: str) -> float:
+    """The value of ``name`` (with its labels, if any); the sum over its labels if none."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    assert match, name
-    return float(match.group(1))
+    labels = "" if "{" in name else r"(?:\{[^}]*\})?"
+    values = re.findall(rf"^{re.escape(name)}{labels} (\S+)$", text, re.MULTILINE)
+    assert values, name
+    return sum(float(v) for v in values)
+
+
+def _until_no_stream_reads(address: str) -> None:
+    """Wait until the server serves no stream and no read is in flight (a stream a client
+    ended may still have reads under way, which finish and count their bytes)."""
+    deadline = time.monotonic() + 30
+    while any(_metric(address, name) for name in (
+            "gpufeed_active_streams", "gpufeed_storage_read_ahead_reads",
+            "gpufeed_storage_read_ahead_bytes")):
+        assert time.monotonic() < deadline, "the server's streams did not end"
+        time.sleep(0.05)
 
 
 def test_storage_metrics_per_source(feed, metrics_address):
@@ -181,6 +197,7 @@ def test_storage_metrics_per_source(feed, metrics_address):
     assert _metric(address, 'gpufeed_storage_read_bytes_total{source="s3"}') > 0
     assert _metric(address, 'gpufeed_storage_read_seconds_count{source="s3"}') >= sum(COUNTS)
     assert _metric(address, 'gpufeed_storage_read_bytes_total{source="local"}') == 0
+    assert _metric(address, 'gpufeed_storage_index_bytes_total{source="s3"}') > 0
     # every read taken: nothing held
     assert _metric(address, "gpufeed_storage_read_ahead_bytes") == 0
     assert _metric(address, "gpufeed_storage_read_ahead_reads") == 0
@@ -214,3 +231,37 @@ def test_loose_objects_read_ahead_every_one_once_as_read_one_by_one(s3, feed, me
         got = _loose_pass(other)
     assert [g[:2] for g in got] == [a[:2] for a in ahead]
     assert all((g[2] == a[2]).all() for g, a in zip(got, ahead))
+
+
+def _sample_spans(shards: list[bytes]) -> list[int]:
+    """Per sample over all shards, the bytes from its image member's data to its label's end:
+    what reading just that sample takes."""
+    spans = []
+    for data in shards:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            members = tar.getmembers()
+        for image, label in zip(members[::2], members[1::2]):
+            spans.append(label.offset_data + label.size - image.offset_data)
+    return spans
+
+
+def test_resume_mid_shard_reads_only_the_samples_it_serves(s3, feed, metrics_address):
+    kw = dict(batch_size=2, size=SIZE)
+    full = feed.loader([SHARDS], **kw)
+    assert _indices(full) == list(range(sum(COUNTS)))  # the server has indexed the shards
+    state = full.state_dict()
+    state.update(epoch=0, samples_consumed=8)  # as saved 8 samples in: inside the second shard
+    resumed = feed.loader([SHARDS], **kw)
+    resumed.load_state_dict(state)
+    # The loader opens a stream from the start when it is made, and load_state_dict ends it;
+    # what that stream read is not the resumed pass's.
+    address = metrics_address[1]
+    _until_no_stream_reads(address)
+    read = 'gpufeed_storage_read_bytes_total{source="s3"}'
+    index = 'gpufeed_storage_index_bytes_total{source="s3"}'
+    before = _metric(address, read), _metric(address, index)
+    served = _indices(resumed)
+    assert served == list(range(8, sum(COUNTS)))
+    assert _metric(address, index) == before[1]  # the index is kept, not read again
+    spans = _sample_spans(s3.shards)
+    assert _metric(address, read) - before[0] == sum(spans[i] for i in served)

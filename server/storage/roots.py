@@ -85,7 +85,7 @@ class Storage:
             self._client = _s3_client(s3_endpoint, connections + io_threads)
             if read_ahead_bytes > 0:
                 self.read_ahead = ReadAhead(io_threads, read_ahead_bytes)
-        self._bytes = self._seconds = None
+        self._bytes = self._seconds = self._index_bytes = None
 
     def register_metrics(self, registry) -> None:
         """Per source (local, s3): bytes read and read latency; the read-ahead depth."""
@@ -99,6 +99,11 @@ class Storage:
         for source in ("local", "s3"):
             self._bytes.labels(source)
             self._seconds.labels(source)
+        self._index_bytes = Counter("gpufeed_storage_index_bytes", "Bytes read to index tar "
+                                    "shards (also in gpufeed_storage_read_bytes), per source.",
+                                    ["source"], registry=registry)
+        for source in ("local", "s3"):
+            self._index_bytes.labels(source)
         registry.register(_ReadAheadDepth(self))
 
     def close(self) -> None:
@@ -215,15 +220,22 @@ class Storage:
             os.close(fd)
         return f"{stat.st_mtime_ns}:{stat.st_size}"
 
-    def open_sequential(self, path: str) -> tuple[IO[bytes], int]:
-        """A stream of the whole file (seekable) or object (not), and its size."""
+    def open_sequential(self, path: str) -> tuple[_IndexReads, int]:
+        """A stream of the whole file (seekable) or object (not), and its size, to index a
+        shard: what is read from it counts as read bytes and index bytes."""
         if is_s3(path):
             bucket, key = _split_s3(path)
             with _s3_errors(path):
                 reply = self._client.get_object(Bucket=bucket, Key=key)
-            return reply["Body"], int(reply["ContentLength"])
+            return _IndexReads(self, path, reply["Body"]), int(reply["ContentLength"])
         file = os.fdopen(self._local_roots(path).open_checked(path, _CONTAINER), "rb")
-        return file, os.fstat(file.fileno()).st_size
+        return _IndexReads(self, path, file), os.fstat(file.fileno()).st_size
+
+    def _observe_index(self, path: str, size: int) -> None:
+        if self._index_bytes is not None:
+            source = "s3" if is_s3(path) else "local"
+            self._bytes.labels(source).inc(size)
+            self._index_bytes.labels(source).inc(size)
 
     def _get(self, path: str, byte_range: str = "") -> bytes:
         bucket, key = _split_s3(path)
@@ -239,6 +251,37 @@ class Storage:
         if self._local is None:
             raise OutsideDataRoots(f"{path!r} is not under a data root")
         return self._local
+
+
+class _IndexReads:
+    """A shard's stream while it is indexed: its reads counted (tarfile reads, seeks and
+    tells through it; a local file seeks over the members' data)."""
+
+    def __init__(self, storage: Storage, path: str, stream: IO[bytes]):
+        self._storage, self._path, self._stream = storage, path, stream
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self._storage._observe_index(self._path, len(data))
+        return data
+
+    def seekable(self) -> bool:
+        return getattr(self._stream, "seekable", lambda: False)()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._stream.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._stream.tell()
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __enter__(self) -> _IndexReads:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class _ObjectBody:

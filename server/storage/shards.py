@@ -17,6 +17,28 @@ parallel on the decode pool, each reading just its own members, never
 extracting anything to disk. ``index`` is a sample's position among all
 samples of the listed shards, in list order.
 
+The unit of reading is one sample: a single ranged read (S3: a GET with a
+``Range``; local: one ``pread``) of the bytes from its first used member to the
+end of its last (image and label members are adjacent in the tar, so the span
+is their data and one 512-byte header between). A pass never reads a whole
+shard for its samples: a rank reads only its own shards' samples, a resume
+mid-shard reads from the sample it resumes at, and the shuffle buffer reads its
+window sample by sample as it delivers them. Why a sample and not a run of
+neighbours coalesced into one larger range: each row decodes on its own
+decode thread as soon as its own bytes are there; a shuffled batch seldom holds
+neighbours; and on S3 the I/O stage (readahead.py) issues a batch's reads at
+once, so their round trips overlap (bench/README.md: 5 ms more per request
+changed nothing measurable). The price is one request per sample, which
+coalescing an unshuffled pass's adjacent samples would cut; that is not done.
+
+The one read of a whole shard is its index. Tar headers sit between the
+members, so finding them costs either the whole object in one streamed GET (S3)
+or a round trip per member; the former is chosen. A local shard is indexed
+header by header, seeking over the data. It happens once per shard version per
+server process (the cache above), for every listed shard, other ranks' too: the
+padding rule and ``index`` need every shard's sample count. The metrics count
+it apart (``gpufeed_storage_index_bytes``), beside the samples' reads.
+
 The order, a pure function of (seed, epoch, rank, world_size):
 
 1. the shard list is permuted by a generator seeded with (seed, epoch) when
