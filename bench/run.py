@@ -30,6 +30,10 @@ __all__ = ["main"]
 
 _HERE = Path(__file__).resolve().parent
 # Per job, gpufeed's row: every other row of the job is compared with it.
+# Issue 15: peer row -> (gpufeed's row on the same shards, or the loose files; the goal).
+_SHARD_PAIRS = {"wds-torch-2-local": ("shards-local", 1.5), "wds-torch-2-s3": ("shards-s3", 1.5),
+                "tf-shards-local": ("shards-local", None), "tf-shards-s3": ("shards-s3", None),
+                "gpufeed-shm": ("shards-s3", 0.9)}
 _REFERENCES = {"squash": "gpufeed-shm", "train-u8": "gpufeed-shm-rrc-u8",
                "train-f16": "gpufeed-shm-rrc", "eval": "gpufeed-shm-eval",
                "train-aug": "gpufeed-shm-aug", "train-pyloop": "gpufeed-shm-pyloop-processes"}
@@ -259,6 +263,7 @@ def _job_table(job: str, title: str, rows: list[dict], report: dict) -> str:
                      f"{r['images']}/{r['expected']} | {r['note']} |")
     if ref:
         lines.extend(_targets(ref, rows))
+    lines.extend(_shard_ratios(rows))
     if job == "squash":
         for row, o in report.get("server_overhead", {}).items():
             lines.append(f"{row}: {100 * o['fraction_of_ceiling']:.0f}% of the ceiling; the "
@@ -287,6 +292,20 @@ def _targets(ref: dict, rows: list[dict]) -> list[str]:
         lines.append(f"target: gpufeed's CPU s / 1000 images at or below the best peer's "
                      f"({best['label']}): {mine:.2f} vs {theirs:.2f}, {verdict}")
     return [""] + lines if lines else []
+
+
+def _shard_ratios(rows: list[dict]) -> list[str]:
+    """The tar-shard rows (issue 15) against gpufeed reading the same shards from the same
+    place, and gpufeed's S3 shards against its local loose files (goals: >= 1.5x, >= 0.9x)."""
+    timed = {r["row"]: r for r in rows if _timed(r)}
+    lines = []
+    for peer, (ours, want) in _SHARD_PAIRS.items():
+        if peer in timed and ours in timed:
+            a, b = timed[ours], timed[peer]
+            goal = f" (goal >= {want}x)" if want else ""
+            lines.append(f"{a['label']} ÷ {b['label']}: {_ratio(a, b, 'images_per_second')} "
+                         f"images/s{goal}, {_ratio(a, b, 'cpu_seconds_per_1000')} CPU per image")
+    return lines
 
 
 def _timed(r: dict) -> bool:

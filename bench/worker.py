@@ -83,6 +83,13 @@ def _arrays(fmt, how, workers=0):
     return run
 
 
+def _tf_shards(where):
+    def run(c, m):
+        from .peers import tfdata
+        return tfdata.run_shards(c, m, "squash", where)
+    return run
+
+
 def _spdl(c, m):
     from .peers import spdl_pipeline
     return spdl_pipeline.run(c, m)
@@ -126,6 +133,15 @@ ROWS = {
     "shards-s3-5ms-no-readahead": _row("gpufeed tar shards, SeaweedFS S3 + 5 ms per request, "
                                        "read-ahead off", "shards", "squash",
                                        "s3-5ms-no-readahead"),
+    # peers on the same tar shards (issue 15)
+    "wds-torch-2-local": _row("WebDataset + torch DataLoader, 2 workers, tar shards, local disk",
+                              "webdataset_loader", "squash", "local"),
+    "wds-torch-2-s3": _row("WebDataset + torch DataLoader, 2 workers, tar shards, SeaweedFS S3",
+                           "webdataset_loader", "squash", "s3"),
+    "tf-shards-local": Row("tf.data, tar shards (generator), local disk", _tf_shards("local"),
+                           "squash"),
+    "tf-shards-s3": Row("tf.data, tar shards (generator), SeaweedFS S3", _tf_shards("s3"),
+                        "squash"),
     # training: random-resized-crop + flip, uint8
     "gpufeed-shm-rrc-u8": _row("gpufeed -> trainer process, shm, random-resized-crop + flip",
                                "gpufeed", "train-u8", "shm"),

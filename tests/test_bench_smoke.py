@@ -21,9 +21,9 @@ from bench import run, soak
 # import torch: that, not the images, is what this test's time goes on.
 _REQUIRED = {"ceiling", "gpufeed-shm", "gpufeed-shm-rrc", "torch-2", "torch-2-rrc",
              "trainers-2", "npy-gpufeed", "npz-numpy", "shards-local"}
-# Peers that are optional (the bench extra), one row per module. tf-service is left out: its
-# two TensorFlow processes alone took ~8 s of this test's budget.
-_OPTIONAL = {"spdl", "tf-rrc", "dali-rrc"}
+# Peers that are optional (the bench extra), one row per module (and tf.data's tar shards).
+# tf-service is left out: its two TensorFlow processes alone took ~8 s of this test's budget.
+_OPTIONAL = {"spdl", "tf-rrc", "dali-rrc", "wds-torch-2-local", "tf-shards-local"}
 _IMAGES, _ARRAYS = 48, 40
 
 

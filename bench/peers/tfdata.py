@@ -45,8 +45,10 @@ def _tf():
     return tf
 
 
-def _load(tf, job: str, size: tuple[int, int]):
-    """The map function: a file's path -> one image of the job's output."""
+def _load(tf, job: str, size: tuple[int, int], read=None):
+    """The map function: a file's path (or what ``read`` reads) -> one image of the job's
+    output."""
+    read = read or tf.io.read_file
     height, width = size
     out_dtype = tf.float16 if job == "train-f16" else tf.uint8
     whole = tf.constant([0.0, 0.0, 1.0, 1.0], tf.float32, shape=[1, 1, 4])
@@ -77,7 +79,7 @@ def _load(tf, job: str, size: tuple[int, int]):
     decode = {"squash": squash, "eval": centre_crop}.get(job, random_crop)
 
     def load(path):
-        image = tf.image.resize(decode(tf.io.read_file(path)), (height, width))
+        image = tf.image.resize(decode(read(path)), (height, width))
         if job.startswith("train"):
             image = tf.image.random_flip_left_right(image)
         if out_dtype == tf.float16:
@@ -123,6 +125,61 @@ def run(config, meter, job: str, service: bool = False, *, prefix: list[str] = (
             child.kill()
             child.wait()
     return f"dispatcher + 1 worker in another process, num_parallel_calls={config.threads}"
+
+
+def run_shards(config, meter, job: str, where: str) -> str:
+    """tf.data on the tar shards gpufeed's shard rows read: "local", or "s3" (SeaweedFS).
+
+    TensorFlow reads no tar files and has no S3 file system of its own any more
+    (it moved to tensorflow-io, not installed here), so each shard's members come
+    from a generator (Python's ``tarfile`` over the file, or over one streamed
+    boto3 GET), two shards at a time through ``interleave``; decoding and resizing
+    are the squash row's map function on the bytes, ``num_parallel_calls`` = the
+    core count. The generator runs under Python's GIL: that is the cost of tar
+    in tf.data without TFRecord files.
+    """
+    from .shards import BUCKET, pack, seaweed_shards
+
+    tf = _tf()
+    if where == "local":
+        folder, shards = pack(config)
+        _read(_shard_dataset(tf, config, job, [str(folder / n) for n in shards],
+                             lambda path: open(path, "rb")),
+              meter, config, job)
+        return f"{len(shards)} shards on the local disk; tarfile generator, NHWC"
+    with seaweed_shards(config) as (s3, shards):
+        def open_object(url: str):
+            bucket, key = url.removeprefix("s3://").split("/", 1)
+            return s3.client().get_object(Bucket=bucket, Key=key)["Body"]
+
+        urls = [f"s3://{BUCKET}/shards/{name}" for name in shards]
+        _read(_shard_dataset(tf, config, job, urls, open_object), meter, config, job)
+    return (f"{len(shards)} shards in SeaweedFS on loopback, one streamed GET each (boto3); "
+            f"tarfile generator, NHWC")
+
+
+def _shard_dataset(tf, config, job: str, shards: list[str], open_shard):
+    import tarfile
+
+    def members(shard):
+        """A shard's JPEGs, in order (labels are not what the row measures)."""
+        with open_shard(shard.decode()) as stream, tarfile.open(fileobj=stream,
+                                                                 mode="r|") as tar:
+            for member in tar:
+                if member.name.endswith(".jpg"):
+                    yield tar.extractfile(member).read()
+
+    def shard_members(shard):
+        return tf.data.Dataset.from_generator(
+            members, args=(shard,), output_signature=tf.TensorSpec((), tf.string))
+
+    return (tf.data.Dataset.from_tensor_slices(shards)
+            .repeat(config.passes)
+            .interleave(shard_members, cycle_length=2, num_parallel_calls=2)
+            .map(_load(tf, job, tuple(config.size), read=lambda data: data),
+                 num_parallel_calls=config.threads)
+            .batch(config.batch_size)
+            .prefetch(tf.data.AUTOTUNE))
 
 
 def _read(dataset, meter, config, job: str) -> None:

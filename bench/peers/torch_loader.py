@@ -26,6 +26,7 @@ which DataLoader seeds differently in each worker.
 from __future__ import annotations
 
 import math
+from typing import IO
 
 import numpy as np
 import torch
@@ -44,28 +45,33 @@ class _Images:
         return len(self.paths)
 
     def __getitem__(self, i: int):
-        height, width = self.size
-        with Image.open(self.paths[i]) as im:
-            rgb = im if im.mode == "RGB" else im.convert("RGB")
-            if self.job == "squash":
-                out = rgb.resize((width, height), Image.BILINEAR)
-            elif self.job == "eval":
-                left, top, box_width, box_height = jobs.centre_box(*rgb.size, self.size)
-                out = rgb.resize((width, height), Image.BILINEAR,
-                                 box=(left, top, left + box_width, top + box_height))
-            else:
-                left, top, box_width, box_height = _random_box(*rgb.size)
-                out = rgb.resize((width, height), Image.BILINEAR,
-                                 box=(left, top, left + box_width, top + box_height))
-                if torch.rand(()) < jobs.FLIP:
-                    out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        chw = np.asarray(out).transpose(2, 0, 1)
-        if self.job == "train-aug":
-            return _augmented(chw.copy())
-        if self.job != "train-f16":
-            return torch.from_numpy(chw.copy())
-        image = torch.from_numpy(chw.astype(np.float32))
-        return image.mul_(_SCALE).sub_(_SHIFT).half()  # (x / 255 - mean) / std
+        return pillow_image(self.paths[i], self.size, self.job)
+
+
+def pillow_image(file: str | IO[bytes], size: tuple[int, int], job: str) -> torch.Tensor:
+    """One image of ``job`` from a JPEG's path or bytes, as the module docstring says."""
+    height, width = size
+    with Image.open(file) as im:
+        rgb = im if im.mode == "RGB" else im.convert("RGB")
+        if job == "squash":
+            out = rgb.resize((width, height), Image.BILINEAR)
+        elif job == "eval":
+            left, top, box_width, box_height = jobs.centre_box(*rgb.size, size)
+            out = rgb.resize((width, height), Image.BILINEAR,
+                             box=(left, top, left + box_width, top + box_height))
+        else:
+            left, top, box_width, box_height = _random_box(*rgb.size)
+            out = rgb.resize((width, height), Image.BILINEAR,
+                             box=(left, top, left + box_width, top + box_height))
+            if torch.rand(()) < jobs.FLIP:
+                out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    chw = np.asarray(out).transpose(2, 0, 1)
+    if job == "train-aug":
+        return _augmented(chw.copy())
+    if job != "train-f16":
+        return torch.from_numpy(chw.copy())
+    image = torch.from_numpy(chw.astype(np.float32))
+    return image.mul_(_SCALE).sub_(_SHIFT).half()  # (x / 255 - mean) / std
 
 
 _augment = None
