@@ -17,8 +17,9 @@ extra and is imported only when a root is an S3 URL. One client is shared by
 every thread (boto3 clients are thread-safe), with a connection pool as large
 as the threads that use it.
 
-Loose S3 files are images only: video and array readers need a seekable local
-file, and fail such a sample saying so.
+Loose S3 files are images only, read ahead as shard samples are (readahead.py):
+video and array readers need a seekable local file, and fail such a sample
+saying so.
 """
 
 from __future__ import annotations
