@@ -1,7 +1,10 @@
 """WebDataset + PyTorch's DataLoader (2 workers) on the shards gpufeed's shard rows read.
 
 The pipeline as WebDataset's own examples write it: ``WebDataset(urls)`` (each
-DataLoader worker takes every other shard, WebDataset's default split), each
+DataLoader worker takes every other shard, WebDataset's default split; with
+fewer shards than workers, as the bench's one ~100 MB shard, that would leave a
+worker idle, so then every worker reads every shard and keeps every other
+sample: the reads double, the decoding is shared), each
 sample's ``.jpg`` made into an image of the job by the torch DataLoader row's
 Pillow steps (``torch_loader.pillow_image``) and its ``.cls`` into a label,
 ``batched`` in the workers, ``WebLoader(batch_size=None)`` on top, workers
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import itertools
 
 from .. import jobs
 from . import Unavailable
@@ -42,18 +46,29 @@ def run(config, meter, job: str, where: str) -> str:
     if where == "local":
         folder, shards = pack(config)
         _read(wds, [str(folder / name) for name in shards], config, meter, job)
-        return f"{len(shards)} shards on the local disk; DataLoader, {_WORKERS} workers"
+        return (f"{len(shards)} shards on the local disk; DataLoader, {_WORKERS} workers"
+                f"{_split(shards)}")
     with seaweed_shards(config) as (s3, shards):
         # webdataset.gopen the module (the package exports a function of that name)
         importlib.import_module("webdataset.gopen").gopen_schemes["s3"] = _s3_opener(s3)
         _read(wds, [f"s3://{BUCKET}/shards/{name}" for name in shards], config, meter, job)
     return (f"{len(shards)} shards in SeaweedFS on loopback, one streamed GET each (boto3); "
-            f"DataLoader, {_WORKERS} workers")
+            f"DataLoader, {_WORKERS} workers{_split(shards)}")
+
+
+def _split(shards: list[str]) -> str:
+    return "" if len(shards) >= _WORKERS else ", each reading every shard, keeping its share"
 
 
 def _read(wds, urls: list[str], config, meter, job: str) -> None:
     size = tuple(config.size)
-    dataset = (wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+    if len(urls) >= _WORKERS:  # WebDataset's default: each worker its own shards
+        dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+    else:  # too few shards for that: every worker reads them all and keeps its share
+        dataset = (wds.WebDataset(urls, shardshuffle=False, empty_check=False,
+                                  workersplitter=None)
+                   .compose(_worker_share))
+    dataset = (dataset
                .map(lambda sample: (pillow_image(io.BytesIO(sample["jpg"]), size, job),
                                     int(sample["cls"])))
                .batched(config.batch_size))
@@ -65,6 +80,15 @@ def _read(wds, urls: list[str], config, meter, job: str) -> None:
                 jobs.check_batch(images.shape, images.dtype, size, job)
             meter.batch(int(images.shape[0]))
     meter.stop()
+
+
+def _worker_share(samples):
+    """Every other sample (one of every num_workers), from this worker's place."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    share, workers = (info.id, info.num_workers) if info else (0, 1)
+    yield from itertools.islice(samples, share, None, workers)
 
 
 def _s3_opener(s3):
