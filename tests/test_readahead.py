@@ -5,11 +5,11 @@ gives back the bytes it held. The real-S3 passes are in test_s3.py."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 
 from gpufeed.server.storage.readahead import ReadAhead, StreamReads
+from support import wait_until
 
 
 class _Store:
@@ -56,14 +56,6 @@ class _Body:
             self._store.closed_unread += 1
 
 
-def _until(condition, seconds: float = 20.0) -> None:
-    """Wait for a state the I/O threads reach by themselves (they read from memory)."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "the I/O stage did not get there"
-        time.sleep(0.002)
-
-
 def _issue(stage: ReadAhead, store: _Store, sized: bool) -> list:
     return [stage.issue(len(data) if sized else None, lambda i=i: store.read(i),
                         None if sized else (lambda i=i: store.open(i)))
@@ -83,7 +75,7 @@ def test_a_read_of_unknown_size_that_no_longer_fits_goes_back_unread():
     stage = ReadAhead(threads=1, budget=1000)
     try:
         pending = _issue(stage, store, sized=False)
-        _until(lambda: stage.depth() == (4, 200))
+        assert wait_until(lambda: stage.depth() == (4, 200))
         assert store.in_memory == 200 and store.closed_unread == 1
         _take_all(stage, store, pending)
         assert store.most_in_memory <= 1000
@@ -99,7 +91,7 @@ def test_the_budget_bounds_the_bytes_read_ahead_with_many_threads():
         stage = ReadAhead(threads=4, budget=2000)
         try:
             pending = _issue(stage, store, sized)
-            _until(lambda: stage.started > 0)
+            assert wait_until(lambda: stage.started > 0)
             _take_all(stage, store, pending)
             assert store.most_in_memory <= 2000
             assert stage.depth() == (0, 0) and store.in_memory == 0
@@ -112,7 +104,7 @@ def test_a_read_larger_than_the_budget_still_starts_alone():
     stage = ReadAhead(threads=2, budget=1000)
     try:
         pending = _issue(stage, store, sized=False)
-        _until(lambda: stage.depth() == (1, 5000))  # the second waits for the first
+        assert wait_until(lambda: stage.depth() == (1, 5000))  # the second waits for the first
         _take_all(stage, store, pending)
     finally:
         stage.close()
@@ -129,6 +121,6 @@ def test_reads_of_an_ended_stream_give_their_bytes_back():
         assert reads.take(stage, 0, lambda: b"not ahead") == store.objects[0]
         assert reads.take(stage, 0, lambda: b"not ahead") == b"not ahead"
         reads.forget(stage)
-        _until(lambda: stage.depth() == (0, 0))
+        assert wait_until(lambda: stage.depth() == (0, 0))
     finally:
         stage.close()

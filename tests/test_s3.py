@@ -8,7 +8,6 @@ import io
 import re
 import socket
 import tarfile
-import time
 import urllib.request
 
 import grpc
@@ -21,7 +20,7 @@ from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
 from shards import corrupt_shard, cut_shard, label_of, shard_bytes
-from support import MIN_PSNR_DB, psnr
+from support import MIN_PSNR_DB, psnr, wait_until
 
 pytest.importorskip("boto3")
 pytestmark = pytest.mark.skipif(weed_binary() is None,
@@ -183,12 +182,10 @@ def _metric(address: str, name: str) -> float:
 def _until_no_stream_reads(address: str) -> None:
     """Wait until the server serves no stream and no read is in flight (a stream a client
     ended may still have reads under way, which finish and count their bytes)."""
-    deadline = time.monotonic() + 30
-    while any(_metric(address, name) for name in (
-            "gpufeed_active_streams", "gpufeed_storage_read_ahead_reads",
-            "gpufeed_storage_read_ahead_bytes")):
-        assert time.monotonic() < deadline, "the server's streams did not end"
-        time.sleep(0.05)
+    names = ("gpufeed_active_streams", "gpufeed_storage_read_ahead_reads",
+             "gpufeed_storage_read_ahead_bytes")
+    assert wait_until(lambda: not any(_metric(address, name) for name in names), 30), \
+        "the server's streams did not end"
 
 
 def test_storage_metrics_per_source(feed, metrics_address):

@@ -18,9 +18,9 @@ extracting anything to disk. ``index`` is a sample's position among all
 samples of the listed shards, in list order.
 
 The unit of reading is one sample: a single ranged read (S3: a GET with a
-``Range``; local: one ``pread``) of the bytes from its first used member to the
-end of its last (image and label members are adjacent in the tar, so the span
-is their data and one 512-byte header between). A pass never reads a whole
+``Range``; local: one ``pread``) of the bytes from its first used member (image,
+label, declared fields) to the end of its last: a sample's members are adjacent
+in the tar, so the span is their data and the 512-byte headers between. A pass never reads a whole
 shard for its samples: a rank reads only its own shards' samples, a resume
 mid-shard reads from the sample it resumes at, and the shuffle buffer reads its
 window sample by sample as it delivers them. Why a sample and not a run of
