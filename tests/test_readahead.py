@@ -5,6 +5,8 @@ gives back the bytes it held. The real-S3 passes are in test_s3.py."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -63,58 +65,56 @@ def _issue(stage: ReadAhead, store: _Store, sized: bool) -> list:
 
 
 def _take_all(stage: ReadAhead, store: _Store, pending: list) -> None:
+    """Take every read in order: each one's bytes, the budget kept, nothing left held."""
     for i, read in enumerate(pending):
         assert stage.take(read) == store.objects[i]
         store.taken(i)
+    assert store.most_in_memory <= max(stage.budget, *map(len, store.objects))
+    assert stage.depth() == (0, 0) and store.in_memory == 0
+
+
+@contextmanager
+def _stage(threads: int, budget: int) -> Iterator[ReadAhead]:
+    stage = ReadAhead(threads, budget)
+    try:
+        yield stage
+    finally:
+        stage.close()
 
 
 def test_a_read_of_unknown_size_that_no_longer_fits_goes_back_unread():
     # One I/O thread: the first two (100 B) fit; the third, charged the mean so far
     # (100 B), turns out 900 B and 200 + 900 > 1000: its body is closed unread.
     store = _Store([100, 100, 900, 900, 50, 400])
-    stage = ReadAhead(threads=1, budget=1000)
-    try:
+    with _stage(threads=1, budget=1000) as stage:
         pending = _issue(stage, store, sized=False)
         assert wait_until(lambda: stage.depth() == (4, 200))
         assert store.in_memory == 200 and store.closed_unread == 1
         _take_all(stage, store, pending)
-        assert store.most_in_memory <= 1000
-        assert stage.depth() == (0, 0) and store.in_memory == 0
-    finally:
-        stage.close()
 
 
 def test_the_budget_bounds_the_bytes_read_ahead_with_many_threads():
     rng = np.random.default_rng(3)
     for sized in (True, False):
         store = _Store(rng.integers(1, 700, 300).tolist())
-        stage = ReadAhead(threads=4, budget=2000)
-        try:
+        with _stage(threads=4, budget=2000) as stage:
             pending = _issue(stage, store, sized)
             assert wait_until(lambda: stage.started > 0)
             _take_all(stage, store, pending)
-            assert store.most_in_memory <= 2000
-            assert stage.depth() == (0, 0) and store.in_memory == 0
-        finally:
-            stage.close()
 
 
 def test_a_read_larger_than_the_budget_still_starts_alone():
     store = _Store([5000, 10])
-    stage = ReadAhead(threads=2, budget=1000)
-    try:
+    with _stage(threads=2, budget=1000) as stage:
         pending = _issue(stage, store, sized=False)
         assert wait_until(lambda: stage.depth() == (1, 5000))  # the second waits for the first
         _take_all(stage, store, pending)
-    finally:
-        stage.close()
 
 
 def test_reads_of_an_ended_stream_give_their_bytes_back():
     store = _Store([300] * 10)
-    stage = ReadAhead(threads=2, budget=1000)
     reads = StreamReads()
-    try:
+    with _stage(threads=2, budget=1000) as stage:
         for i in range(10):
             reads.issue(stage, i, None, lambda i=i: store.read(i), lambda i=i: store.open(i))
         reads.issue(stage, 0, None, lambda: b"", lambda: (0, None))  # a repeat: read once
@@ -122,5 +122,3 @@ def test_reads_of_an_ended_stream_give_their_bytes_back():
         assert reads.take(stage, 0, lambda: b"not ahead") == b"not ahead"
         reads.forget(stage)
         assert wait_until(lambda: stage.depth() == (0, 0))
-    finally:
-        stage.close()
