@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ..storage.readahead import StreamReads
+from ..storage.roots import is_s3
 from .arrays import array_layout, check, read_arrays
 from .decode import DEFAULT_MAX_PIXELS, ImageDecoder
 from .fields import SampleFields
-from ..storage.readahead import StreamReads
-from ..storage.roots import is_s3
 from .transform import CLIP, OutputTransform, sample_rng
 from .video import VideoDecoder, centred_start, random_start
 
@@ -124,7 +124,7 @@ class ImageRows(RowReader):
         if stage is None:
             return
         for sample in samples.tolist():
-            path = paths[sample]
+            path = paths[int(sample)]
             if is_s3(path):  # located and confined when the stream was planned
                 self._ahead.issue(stage, sample, None, partial(roots.read, path),
                                   partial(roots.open_object, path))

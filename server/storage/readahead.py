@@ -39,7 +39,6 @@ __all__ = ["Body", "PendingRead", "ReadAhead", "StreamReads"]
 
 # What a read of unknown size is charged before its size is known, until one is.
 _FIRST_ESTIMATE = 1 << 20
-_BACK = object()  # a read whose body an I/O thread did not read
 
 
 class Body(Protocol):
@@ -152,12 +151,14 @@ class ReadAhead:
                 pending.charged = self._charge(pending)
                 self._held += pending.charged
                 self.started += 1
+            data: bytes | None = None
+            error: BaseException | None = None
             try:
-                data, error = self._read(pending), None
+                data = self._read(pending)
             except BaseException as e:  # handed to the decode thread that takes it
-                data, error = None, e
+                error = e
             with self._cond:
-                if data is _BACK and pending.state != "orphan":
+                if data is None and error is None and pending.state != "orphan":
                     continue  # back in the queue (or taken from it since)
                 if pending.state == "orphan":  # dropped while running
                     pending.state = "dropped"
@@ -166,8 +167,8 @@ class ReadAhead:
                     pending.data, pending.error, pending.state = data, error, "done"
                 self._cond.notify_all()
 
-    def _read(self, pending: PendingRead) -> bytes | object:
-        """Run on an I/O thread. _BACK when the body was not read (back in the queue, or
+    def _read(self, pending: PendingRead) -> bytes | None:
+        """Run on an I/O thread. None when the body was not read (back in the queue, or
         dropped meanwhile)."""
         if pending.open is None:
             return pending.read()
@@ -194,7 +195,7 @@ class ReadAhead:
                 self._cond.notify_all()
         if back or pending.state == "orphan":
             body.close()
-            return _BACK
+            return None
         return body.read()
 
 
