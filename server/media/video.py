@@ -48,6 +48,7 @@ from av.error import FFmpegError
 
 from .containers import HEAD_BYTES, VIDEO_FORMATS, open_container, video_format
 from .decode import DEFAULT_MAX_PIXELS, DecodeError, RgbScaler
+from .transform import SampleDraws
 
 __all__ = ["VideoDecoder", "centred_start", "random_start"]
 
@@ -58,7 +59,7 @@ def centred_start(n: int, k: int, stride: int) -> int:
     return (n - _span(k, stride)) // 2
 
 
-def random_start(n: int, k: int, stride: int, rng: np.random.Generator) -> int:
+def random_start(n: int, k: int, stride: int, rng: SampleDraws | np.random.Generator) -> int:
     """A uniformly random first frame such that the clip fits in ``n`` frames (training).
 
     ``rng`` should be seeded from (seed, epoch, sample index) so that resume and
