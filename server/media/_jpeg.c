@@ -173,28 +173,12 @@ static void vertical(const uint8_t *src, size_t stride, const int16_t *coef, int
     }
 }
 
-#ifdef __SSE2__
-/* Lane i of the result: the sum of the four lanes of argument i. */
-static inline __m128i sum4(__m128i a, __m128i b, __m128i c, __m128i d)
-{
-    __m128i ab = _mm_add_epi32(_mm_unpacklo_epi32(a, b), _mm_unpackhi_epi32(a, b));
-    __m128i cd = _mm_add_epi32(_mm_unpacklo_epi32(c, d), _mm_unpackhi_epi32(c, d));
-    return _mm_add_epi32(_mm_unpacklo_epi64(ab, cd), _mm_unpackhi_epi64(ab, cd));
-}
-
-static inline __m128i to_pixels(__m128i sums)
-{
-    return _mm_srai_epi32(_mm_add_epi32(sums, _mm_set1_epi32(COEF_ONE >> 1)), COEF_BITS);
-}
-#endif
-
-/* The horizontal pass's weights, laid out for packed RGB: for output pixel j and
- * channel c, `span` int16 weights starting at the pixel's first source byte, with
- * the weight of tap k at 3k + c and zeros elsewhere, so one multiply-add over the
- * packed row sums one channel. */
+/* The horizontal pass's weights, in pairs: for output pixel j, pair q holds the
+ * weights of taps 2q and 2q + 1 (0 past the last tap) as the low and high int16
+ * of one int32, `pairs` per pixel. */
 typedef struct {
-    int span;
-    int16_t *weights; /* [out][3][span] */
+    int pairs;
+    int32_t *weights; /* [out][pairs] */
 } packed_t;
 
 static int packed_make(packed_t *p, const axis_t *xs)
@@ -202,46 +186,53 @@ static int packed_make(packed_t *p, const axis_t *xs)
     int most = 1;
     for (int j = 0; j < xs->out; j++)
         most = xs->n[j] > most ? xs->n[j] : most;
-    p->span = (3 * most + 7) / 8 * 8;
-    p->weights = calloc((size_t)xs->out * 3 * p->span, sizeof(int16_t));
+    p->pairs = (most + 1) / 2;
+    p->weights = calloc((size_t)xs->out * p->pairs, sizeof(int32_t));
     if (!p->weights)
         return -1;
     for (int j = 0; j < xs->out; j++)
-        for (int c = 0; c < 3; c++)
-            for (int k = 0; k < xs->n[j]; k++)
-                p->weights[((size_t)j * 3 + c) * p->span + 3 * k + c] =
-                    xs->coef[(size_t)j * xs->taps + k];
+        for (int k = 0; k < xs->n[j]; k++) {
+            uint32_t w = (uint16_t)xs->coef[(size_t)j * xs->taps + k];
+            p->weights[(size_t)j * p->pairs + k / 2] |= (int32_t)(k % 2 ? w << 16 : w);
+        }
     return 0;
 }
 
+#ifdef __SSE2__
+/* One output pixel's three sums, in lanes 0-2 (lane 3 is junk): per pair of taps, the
+ * two pixels' int16 RGB are interleaved channel by channel, (r0 r1 g0 g1 b0 b1 ..),
+ * so one multiply-add gives every channel's share of both taps. */
+static inline __m128i pixel_sums(const int16_t *s, const int32_t *w, int pairs)
+{
+    __m128i sum = _mm_setzero_si128();
+    for (int q = 0; q < pairs; q++, s += 6) {
+        __m128i v = _mm_loadu_si128((const __m128i *)s);
+        sum = _mm_add_epi32(sum, _mm_madd_epi16(_mm_unpacklo_epi16(v, _mm_srli_si128(v, 6)),
+                                                _mm_set1_epi32(w[q])));
+    }
+    return sum;
+}
+#endif
+
 /* The horizontal pass for one output row, from the packed int16 RGB row `src`
- * (its pixel 0 is source column `first`; `span` readable int16 past its end). */
+ * (its pixel 0 is source column `first`; 2 * pairs + 2 readable pixels past its end). */
 static void horizontal(const int16_t *src, int first, const axis_t *xs, const packed_t *p,
                        uint8_t *r, uint8_t *g, uint8_t *b)
 {
     int j = 0;
 #ifdef __SSE2__
-    /* four output pixels at a time: per pixel, one multiply-add per channel and 8 weights;
-     * the twelve sums are reduced together */
+    /* four output pixels at a time, their [r g b -] sums transposed to [r r r r] [g ..] [b ..] */
+    const __m128i half = _mm_set1_epi32(COEF_ONE >> 1);
     for (; j + 4 <= xs->out; j += 4) {
-        __m128i sum[3][4];
-        for (int q = 0; q < 4; q++) {
-            const int16_t *s = src + (size_t)(xs->lo[j + q] - first) * 3;
-            const int16_t *w = p->weights + (size_t)(j + q) * 3 * p->span;
-            __m128i sr = _mm_setzero_si128(), sg = sr, sb = sr;
-            for (int m = 0; m < p->span; m += 8) {
-                __m128i v = _mm_loadu_si128((const __m128i *)(s + m));
-                sr = _mm_add_epi32(sr, _mm_madd_epi16(v, _mm_loadu_si128((const __m128i *)(w + m))));
-                sg = _mm_add_epi32(sg, _mm_madd_epi16(v, _mm_loadu_si128((const __m128i *)(w + p->span + m))));
-                sb = _mm_add_epi32(sb, _mm_madd_epi16(v, _mm_loadu_si128((const __m128i *)(w + 2 * p->span + m))));
-            }
-            sum[0][q] = sr;
-            sum[1][q] = sg;
-            sum[2][q] = sb;
-        }
-        __m128i rs = to_pixels(sum4(sum[0][0], sum[0][1], sum[0][2], sum[0][3]));
-        __m128i gs = to_pixels(sum4(sum[1][0], sum[1][1], sum[1][2], sum[1][3]));
-        __m128i bs = to_pixels(sum4(sum[2][0], sum[2][1], sum[2][2], sum[2][3]));
+        __m128i a[4];
+        for (int q = 0; q < 4; q++)
+            a[q] = pixel_sums(src + (size_t)(xs->lo[j + q] - first) * 3,
+                              p->weights + (size_t)(j + q) * p->pairs, p->pairs);
+        __m128i ab_lo = _mm_unpacklo_epi32(a[0], a[1]), cd_lo = _mm_unpacklo_epi32(a[2], a[3]);
+        __m128i ab_hi = _mm_unpackhi_epi32(a[0], a[1]), cd_hi = _mm_unpackhi_epi32(a[2], a[3]);
+        __m128i rs = _mm_srai_epi32(_mm_add_epi32(_mm_unpacklo_epi64(ab_lo, cd_lo), half), COEF_BITS);
+        __m128i gs = _mm_srai_epi32(_mm_add_epi32(_mm_unpackhi_epi64(ab_lo, cd_lo), half), COEF_BITS);
+        __m128i bs = _mm_srai_epi32(_mm_add_epi32(_mm_unpacklo_epi64(ab_hi, cd_hi), half), COEF_BITS);
         __m128i bytes = _mm_packus_epi16(_mm_packs_epi32(rs, gs), _mm_packs_epi32(bs, bs));
         uint32_t four;
         four = (uint32_t)_mm_cvtsi128_si32(bytes);
@@ -254,12 +245,12 @@ static void horizontal(const int16_t *src, int first, const axis_t *xs, const pa
 #endif
     for (; j < xs->out; j++) {
         const int16_t *s = src + (size_t)(xs->lo[j] - first) * 3;
-        const int16_t *w = p->weights + (size_t)j * 3 * p->span;
+        const int16_t *w = xs->coef + (size_t)j * xs->taps;
         int32_t sr = 0, sg = 0, sb = 0;
-        for (int m = 0; m < p->span; m++) {
-            sr += w[m] * s[m];
-            sg += w[p->span + m] * s[m];
-            sb += w[2 * p->span + m] * s[m];
+        for (int k = 0; k < xs->n[j]; k++) {
+            sr += w[k] * s[3 * k];
+            sg += w[k] * s[3 * k + 1];
+            sb += w[k] * s[3 * k + 2];
         }
         r[j] = clamp8(sr);
         g[j] = clamp8(sg);
@@ -281,7 +272,7 @@ static int resize_rows(const uint8_t *src, size_t stride, int x0, int y0,
     size_t plane = (size_t)xs->out * ys->out;
     packed_t p = {0, NULL};
     int16_t *row = NULL;
-    if (packed_make(&p, xs) || !(row = calloc((size_t)width + p.span, sizeof(int16_t)))) {
+    if (packed_make(&p, xs) || !(row = calloc((size_t)width + 6 * (size_t)p.pairs + 8, sizeof(int16_t)))) {
         free(p.weights);
         return -1;
     }
