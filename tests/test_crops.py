@@ -16,7 +16,7 @@ from PIL import Image
 
 from gpufeed.client import FeedClient
 from gpufeed.server.demo import synthetic_photo
-from gpufeed.server.media.transform import OutputTransform, sample_rng
+from gpufeed.server.media.transform import OutputTransform, sample_draws
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2
 from support import psnr
@@ -87,7 +87,7 @@ def test_crops_match_pillow_on_the_same_box(feed, data_dir, crop_files, resize):
             path = data_dir / crop_files[i]
             with Image.open(path) as image:
                 box = transform.box(i, image.height, image.width)
-            flip = sample_rng(SEED, EPOCH, i, 1).random() < 0.5
+            flip = sample_draws(SEED, EPOCH, i, 1).random() < 0.5
             values[crop_files[i]] = psnr(batch["image"][row].numpy(), _reference(path, box, flip))
             scaled += box[2] >= 2 * SIZE[0] and box[3] >= 2 * SIZE[1]
     assert sorted(values) == sorted(crop_files)

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from gpufeed.client import FeedClient
-from gpufeed.server.media.transform import OutputTransform, random_resized_crop_box, sample_rng
+from gpufeed.server.media.transform import OutputTransform, random_resized_crop_box, sample_draws
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2
 from support import MIN_PSNR_DB, psnr
@@ -46,16 +46,17 @@ def _chw(image: Image.Image) -> np.ndarray:
 
 
 def _flip(seed, epoch, index, p) -> bool:
-    return bool(p) and sample_rng(seed, epoch, index, 1).random() < p
+    return bool(p) and sample_draws(seed, epoch, index, 1).random() < p
 
 
 @pytest.mark.parametrize("size", [(50, 60), (300, 200), (41, 397)])
 def test_crop_geometry_is_torchvisions(size):
     for index in range(200):
-        ours = random_resized_crop_box(sample_rng(7, 1, index), *size, (0.08, 1.0), (3 / 4, 4 / 3))
-        assert ours == _reference_box(sample_rng(7, 1, index), *size)
-    narrow = random_resized_crop_box(sample_rng(0, 0, 0), 10, 1000, (0.9, 1.0), (1.0, 1.0))
-    assert narrow == _reference_box(sample_rng(0, 0, 0), 10, 1000, (0.9, 1.0), (1.0, 1.0))
+        ours = random_resized_crop_box(sample_draws(7, 1, index), *size, (0.08, 1.0),
+                                       (3 / 4, 4 / 3))
+        assert ours == _reference_box(sample_draws(7, 1, index), *size)
+    narrow = random_resized_crop_box(sample_draws(0, 0, 0), 10, 1000, (0.9, 1.0), (1.0, 1.0))
+    assert narrow == _reference_box(sample_draws(0, 0, 0), 10, 1000, (0.9, 1.0), (1.0, 1.0))
 
 
 def test_centre_crop_matches_resize_then_centre_crop(feed, data_dir, image_names):
@@ -95,7 +96,8 @@ def test_random_resized_crop_and_flip_match_the_reference(feed, data_dir, image_
     for batch in loader:
         for row, i in enumerate(batch["index"].tolist()):
             image = _pil(data_dir / image_names[i])
-            top, left, h, w = _reference_box(sample_rng(seed, epoch, i), image.height, image.width)
+            top, left, h, w = _reference_box(sample_draws(seed, epoch, i), image.height,
+                                             image.width)
             assert OutputTransform(spec, seed, epoch).box(i, image.height, image.width) == \
                 (top, left, h, w)
             ref = image.resize((48, 48), Image.BILINEAR, box=(left, top, left + w, top + h))

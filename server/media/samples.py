@@ -23,7 +23,7 @@ from ..storage.roots import is_s3
 from .arrays import array_layout, check, read_arrays
 from .decode import DEFAULT_MAX_PIXELS, ImageDecoder
 from .fields import SampleFields
-from .transform import CLIP, OutputTransform, sample_rng
+from .transform import CLIP, OutputTransform, sample_draws
 from .video import VideoDecoder, centred_start, random_start
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ class VideoRows(RowReader):
         _, arrays["flip"][row] = self.transform.choose(index)
         k, stride = self.frames, self.stride
         if self.random_start:
-            rng = sample_rng(self.transform.seed, self.transform.epoch, index, CLIP)
+            rng = sample_draws(self.transform.seed, self.transform.epoch, index, CLIP)
             start = lambda n: random_start(n, k, stride, rng)  # noqa: E731
         else:
             start = lambda n: centred_start(n, k, stride)  # noqa: E731

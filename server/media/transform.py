@@ -27,7 +27,7 @@ import torch
 from gpufeed.v1 import feed_pb2
 
 __all__ = ["Box", "CropRule", "OutputTransform", "SampleDraws", "random_resized_crop_box",
-           "sample_rng"]
+           "sample_draws", "sample_rng"]
 
 _DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "float16": torch.float16,
            "bfloat16": torch.bfloat16}
@@ -59,14 +59,16 @@ def _mix(z: int) -> int:
 
 
 class SampleDraws:
-    """The random draws of one decision about one sample: SplitMix64 from a key.
+    """The random draws of one built-in decision about one sample: SplitMix64 from a key.
 
     The state is a hash of the key (seed, epoch, sample index, decision), so
     draws depend on nothing but the key: not on threads, order or resume. It
     answers the three calls the choices make, as numpy's Generator names them.
     ``np.random.default_rng(key)`` did this before and cost ~25 us per sample
     and decision in the server (a SeedSequence, a PCG64 and an errstate each
-    time), ~9% of a random-resized crop's decode thread; this costs ~2 us.
+    time), ~9% of a random-resized crop's decode thread; this costs ~2 us per
+    draw. Sample transforms still get a numpy Generator (``sample_rng``): they
+    may ask for any distribution.
     SplitMix64 passes BigCrush; ``integers`` maps 64 random bits onto the range
     by one multiplication, biased by at most range / 2^64.
     """
@@ -96,12 +98,18 @@ class SampleDraws:
         return low + ((self._next() * (high - low)) >> 64)
 
 
-def sample_rng(seed: int, epoch: int, index: int, decision: int = _CROP) -> SampleDraws:
-    """The generator for one random decision about one sample of one epoch."""
+def sample_rng(seed: int, epoch: int, index: int, decision: int) -> np.random.Generator:
+    """A numpy generator for one random decision about one sample of one epoch: what
+    sample transforms (pipeline.py) are given."""
+    return np.random.default_rng([seed, epoch, index, decision])
+
+
+def sample_draws(seed: int, epoch: int, index: int, decision: int = _CROP) -> SampleDraws:
+    """The draws of one built-in decision (crop box, flip, clip start) about one sample."""
     return SampleDraws(seed, epoch, index, decision)
 
 
-def random_resized_crop_box(rng: SampleDraws, height: int, width: int,
+def random_resized_crop_box(rng: SampleDraws | np.random.Generator, height: int, width: int,
                             scale: tuple[float, float], ratio: tuple[float, float]
                             ) -> tuple[int, int, int, int]:
     """(top, left, h, w) of a crop as torchvision's RandomResizedCrop picks it.
@@ -205,7 +213,7 @@ class OutputTransform:
         None (squash) keeps the whole image."""
         crop = None if self.resize == feed_pb2.RESIZE_SQUASH else \
             lambda src_h, src_w: self.box(index, src_h, src_w)
-        flip = bool(self.flip_probability and sample_rng(self.seed, self.epoch, index, _FLIP)
+        flip = bool(self.flip_probability and sample_draws(self.seed, self.epoch, index, _FLIP)
                     .random() < self.flip_probability)
         return crop, flip
 
@@ -215,7 +223,7 @@ class OutputTransform:
             return 0, 0, src_h, src_w
         if self.resize == feed_pb2.RESIZE_SHORTER_CENTER_CROP:
             return self._centre(src_h, src_w)
-        return random_resized_crop_box(sample_rng(self.seed, self.epoch, index), src_h, src_w,
+        return random_resized_crop_box(sample_draws(self.seed, self.epoch, index), src_h, src_w,
                                        self.scale, self.ratio)
 
     def _centre(self, src_h: int, src_w: int) -> Box:
