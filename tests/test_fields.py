@@ -23,7 +23,7 @@ from gpufeed.client import FeedError, Field, metadata, split
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.media.decode import DecodeError
 from gpufeed.server.media.fields import Sidecar
-from gpufeed.server.media.transform import OutputTransform, sample_rng
+from gpufeed.server.media.transform import OutputTransform, sample_draws
 from gpufeed.v1 import feed_pb2
 from support import psnr
 
@@ -110,7 +110,7 @@ def _check_sample(root, name: str, index: int, batch, row: int, boxes: torch.Ten
     reference boxes, how many were dropped, the source boxes)."""
     with Image.open(root / "images" / "train" / f"{name}.jpg") as image:
         box = transform.box(index, image.height, image.width)
-    flip = sample_rng(SEED, EPOCH, index, 1).random() < flip_probability
+    flip = sample_draws(SEED, EPOCH, index, 1).random() < flip_probability
     ref_mask, ref_boxes, lost, source = _reference(root, name, box, flip)
     assert np.array_equal(batch["mask"][row].numpy(), ref_mask), name
     assert torch.allclose(boxes.double(), ref_boxes, atol=1e-4), (name, boxes)
