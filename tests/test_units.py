@@ -64,6 +64,7 @@ def test_ring_leases_each_slot_once_until_released():
 
 def test_a_stream_refuses_the_release_of_a_batch_not_yet_sent(data_dir, image_names):
     """Leased but unpublished: decode threads may still write it (here: a pool of no threads)."""
+    from gpufeed.server.memory.heap import HeapSlots
     from gpufeed.server.serving.pool import DecodePool
     from gpufeed.server.serving.request import Limits, plan_stream
     from gpufeed.server.serving.stream import Stream
@@ -75,7 +76,7 @@ def test_a_stream_refuses_the_release_of_a_batch_not_yet_sent(data_dir, image_na
                                      transport=feed_pb2.TRANSPORT_INLINE)
     plan = plan_stream(request, roots, Limits(), (feed_pb2.TRANSPORT_INLINE,))
     pool = DecodePool(0, lambda: None)  # no thread, so no per-thread state
-    stream = Stream(plan, roots, pool, bytearray(plan.num_slots * plan.layout.slot_bytes))
+    stream = Stream(plan, roots, pool, HeapSlots(plan))
     stream.start()
     assert stream.ring.leased() == 2
     with pytest.raises(KeyError):

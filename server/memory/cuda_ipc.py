@@ -37,18 +37,28 @@ failed, or left first) never says ``attached``; the server then gives the
 count back itself, so the ring is freed. A trainer killed while holding the
 ring leaves its count behind: that ring stays allocated until the server
 restarts.
+
+``DeviceSlots`` is the cuda_ipc transport's slot memory: the ring behind the
+protocol every transport's memory keeps (slots.py).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
 
-__all__ = ["DeviceRing", "check_device", "gpu_uuid"]
+from .slots import FilledBatch, batch_fields
+
+if TYPE_CHECKING:  # a type only: memory/ imports nothing of serving/
+    from ..serving.request import StreamPlan
+
+__all__ = ["DeviceRing", "DeviceSlots", "check_device", "gpu_uuid"]
 
 
 def check_device(name: str) -> torch.device:
@@ -159,6 +169,40 @@ class DeviceRing:
         self.host = self.device = self._ready = self._timing = None
         with torch.cuda.device(self._device):
             torch.cuda.ipc_collect()  # free rings whose trainers have let go since
+
+
+class DeviceSlots:
+    """A stream's slots in a ``DeviceRing`` (a ``SlotMemory``): decode threads write
+    the pinned host ring, ``publish`` copies a slot to the device and runs the batch
+    pass there."""
+
+    shared = True
+
+    def __init__(self, device: torch.device, plan: StreamPlan,
+                 observe_copy: Callable[[float], None]):
+        self._plan = plan
+        self._ring = DeviceRing(device, plan, observe_copy)
+        self._opened = False
+        self.host = self._ring.host_buffer()
+
+    def header(self) -> dict[str, object]:
+        return {"cuda_ipc": self._ring.export}
+
+    def attached(self) -> None:
+        """The trainer has opened the export: its count is the trainer's to give back."""
+        self._opened = True
+
+    def filled(self, slot: np.ndarray, rows: int) -> None:
+        pass  # the batch pass runs on the device, after the copy (publish)
+
+    def publish(self, batch: FilledBatch) -> tuple[feed_pb2.Batch, None]:
+        if batch.rows:
+            self._ring.publish(batch, self._plan)
+        return batch_fields(batch, self._plan.layout), None
+
+    def close(self) -> None:
+        self._ring.close(opened=self._opened)
+        self.host = np.empty(0, np.uint8)  # the pinned ring goes with the stream
 
 
 def _host_written_spans(layout) -> list[tuple[int, int]]:

@@ -9,7 +9,10 @@ probe nobody holds any more: what a killed server left behind. This works
 across containers that share /dev/shm but not a pid namespace.
 
 Normally nothing is left at all: the server unlinks a stream's segment as soon
-as the client says it has mapped it.
+as the client says it has mapped it (``ShmSlots.attached``).
+
+``ShmSlots`` is the shm transport's slot memory: one segment per stream, whose
+name the header carries; a batch's message names its slot, not its bytes.
 """
 
 from __future__ import annotations
@@ -20,8 +23,18 @@ import mmap
 import os
 import re
 import secrets
+from typing import TYPE_CHECKING
 
-__all__ = ["SHM_DIR", "SharedSegment", "ShmNamespace"]
+import numpy as np
+
+from gpufeed.v1 import feed_pb2
+
+from .slots import FilledBatch, batch_fields, batch_pass_on_host
+
+if TYPE_CHECKING:  # a type only: memory/ imports nothing of serving/
+    from ..serving.request import StreamPlan
+
+__all__ = ["SHM_DIR", "SharedSegment", "ShmNamespace", "ShmSlots"]
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^gpufeed-([0-9a-f]{16})-")
@@ -109,6 +122,33 @@ class ShmNamespace:
     def close(self) -> None:
         if self.probe is not None:
             self.probe.close()
+
+
+class ShmSlots:
+    """A stream's slots in a new segment of ``shm`` (a ``SlotMemory``)."""
+
+    shared = True
+
+    def __init__(self, shm: ShmNamespace, plan: StreamPlan):
+        self._plan = plan
+        self._segment = shm.create(plan.num_slots * plan.layout.slot_bytes)
+        self.host = self._segment.buffer
+
+    def header(self) -> dict[str, object]:
+        return {"shm_name": self._segment.name}
+
+    def attached(self) -> None:
+        """The client has mapped the segment: its name can go."""
+        self._segment.unlink()
+
+    def filled(self, slot: np.ndarray, rows: int) -> None:
+        batch_pass_on_host(self._plan, slot, rows)
+
+    def publish(self, batch: FilledBatch) -> tuple[feed_pb2.Batch, None]:
+        return batch_fields(batch, self._plan.layout), None
+
+    def close(self) -> None:
+        self._segment.close()
 
 
 def _remove_stale() -> int:

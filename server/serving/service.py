@@ -2,11 +2,13 @@
 
 A Stream call runs on a gRPC worker thread, which yields the header and then
 each published batch. A second thread per stream reads the client's later
-messages (attached, release). Whatever ends the call (last batch, client gone,
-bad message, server stopping), ``finally`` closes the stream: decode work is
-cancelled and its shared memory or device ring is let go, once the client has
-mapped or opened it (or left, or had ``_ATTACH_GRACE`` seconds to), so that the
-status it gets is the real one and not "cannot map".
+messages (attached, release). The stream's slots live in one ``SlotMemory``
+(memory/slots.py), chosen by ``SlotMemories`` for the transport; this module
+never asks which. Whatever ends the call (last batch, client gone, bad
+message, server stopping), ``finally`` closes the stream: decode work is
+cancelled and its memory is let go, once a client that maps or opens it has
+(or left, or had ``_ATTACH_GRACE`` seconds to), so that the status it gets is
+the real one and not "cannot map".
 
 Each stream logs one line when it opens and one when it ends, or one when it
 is refused instead (peer, transport, samples, batches, failures, duration,
@@ -20,14 +22,15 @@ import threading
 import time
 
 import grpc
-import numpy as np
 
 import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
 from ..media.samples import Decoders
 from ..memory.budget import MemoryBudget, MemoryExhausted
+from ..memory.memories import SlotMemories
 from ..memory.shm import ShmNamespace
+from ..memory.slots import SlotMemory
 from ..metrics import ServerMetrics, transport_name
 from ..storage.roots import Storage
 from .pool import DecodePool
@@ -40,9 +43,7 @@ from .wire import InlineBatch
 __all__ = ["FeedServicer"]
 
 _log = logging.getLogger(__name__)
-# Inline arrays start at multiples of this, so every dtype can be viewed in place.
-_INLINE_ALIGN = 64
-# A client maps (shm) or opens (cuda_ipc) its stream's memory as soon as it reads
+# A client whose stream's memory is shared maps or opens it as soon as it reads
 # the header; one that has not after this many seconds never will.
 _ATTACH_GRACE = 10.0
 
@@ -71,7 +72,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         self._device = device  # a torch.device for cuda:N; None on a CPU server
         self._metrics = metrics if metrics is not None else ServerMetrics(pool)
         self._pool = pool
-        self._shm = shm
+        self._memories = SlotMemories(shm, device, self._metrics.stages["device_copy"].observe)
+        self.transports = self._memories.transports
         self._limits = limits
         self._max_streams = max_streams
         self._streams: set[Stream] = set()
@@ -80,25 +82,15 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         self._jobs = JobRegistry()
         self._memory = MemoryBudget(limits.max_memory_bytes)  # every stream's ring and plan
         self._lock = threading.Condition()
-        self.transports = (feed_pb2.TRANSPORT_INLINE,)
-        if shm.probe is not None:  # else /dev/shm was full or missing at start-up
-            self.transports += (feed_pb2.TRANSPORT_SHM,)
-        self._gpu_uuid = ""
-        if device is not None:
-            from ..memory.cuda_ipc import gpu_uuid
-
-            self.transports += (feed_pb2.TRANSPORT_CUDA_IPC,)
-            self._gpu_uuid = gpu_uuid(device)
 
     def Info(self, request, context):
         return feed_pb2.InfoResponse(
             version=gpufeed.__version__,
             devices=[str(self._device or "cpu")],
-            gpu_uuid=self._gpu_uuid,
+            gpu_uuid=self._memories.gpu_uuid,
             transports=self.transports,
             data_roots=self._roots.roots,
-            shm_probe=feed_pb2.ShmProbe(name=self._shm.probe.name, token=self._shm.probe_token)
-            if self._shm.probe is not None else None,
+            shm_probe=self._memories.shm_probe(),
             decode_threads=self._pool.threads,
         )
 
@@ -120,7 +112,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                     f"this stream ({plan.num_slots} slots of {plan.layout.slot_bytes} bytes, "
                     f"and {plan.nbytes} for its sample list)")
                 job = self._jobs.join(first.open, plan) if first.open.job else None
-                memory = self._slot_memory(plan)
+                memory = self._memories.open(plan)
             except (RequestError, MemoryExhausted) as e:
                 refusal = e.code, str(e)
             else:
@@ -164,38 +156,11 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             self._open_streams += 1
             return None
 
-    def _slot_memory(self, plan: StreamPlan):
-        """(buffer, shm segment or None, device ring or None) for the stream's slots."""
-        slots_bytes = plan.num_slots * plan.layout.slot_bytes
-        try:
-            if plan.transport == feed_pb2.TRANSPORT_SHM:
-                segment = self._shm.create(slots_bytes)
-                return segment.buffer, segment, None
-            if plan.transport == feed_pb2.TRANSPORT_CUDA_IPC:
-                from ..memory.cuda_ipc import DeviceRing
-
-                # types: a cuda_ipc plan exists only on a server with a device
-                ring = DeviceRing(self._device, plan, self._metrics.stages["device_copy"].observe)  # pyright: ignore[reportArgumentType]
-                return ring.host_buffer(), None, ring
-            return bytearray(slots_bytes), None, None
-        except (MemoryError, OSError, RuntimeError) as e:  # ENOSPC in /dev/shm, CUDA OOM
-            _log.warning("no memory for a %s stream's %d slots of %d bytes: %s",
-                         feed_pb2.Transport.Name(plan.transport), plan.num_slots,
-                         plan.layout.slot_bytes, e)
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               # the client's auto transport falls back to inline on this
-                               # beginning (client/loader.py): keep it
-                               f"no memory for this stream's {plan.num_slots} slots of "
-                               f"{plan.layout.slot_bytes} bytes: {e}; ask for a smaller "
-                               f"prefetch or batch") from None
-
-    def _serve(self, plan: StreamPlan, job: SharedJob | None, memory, request_iterator,
-               context):
-        buffer, segment, device_ring = memory
-        stream = Stream(plan, self._roots, self._pool, buffer, self._metrics, source=job,
-                        finish_on_host=device_ring is None)
+    def _serve(self, plan: StreamPlan, job: SharedJob | None, memory: SlotMemory,
+               request_iterator, context):
+        stream = Stream(plan, self._roots, self._pool, memory, self._metrics, source=job)
         reader = threading.Thread(target=_read_client, name="gpufeed-client-reader",
-                                  args=(request_iterator, stream, segment), daemon=True)
+                                  args=(request_iterator, stream), daemon=True)
         with self._lock:
             self._streams.add(stream)
         header_sent_at = None
@@ -216,20 +181,17 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             yield feed_pb2.ServerMessage(header=feed_pb2.StreamHeader(
                 # types: protobuf's stub wants the enum type, the plan holds its int
                 transport=plan.transport,  # pyright: ignore[reportArgumentType]
-                shm_name=segment.name if segment else "",
                 num_slots=plan.num_slots,
                 slot_bytes=plan.layout.slot_bytes,
                 num_samples=0 if job else plan.num_samples,
                 num_batches=0 if job else len(plan.batches) - plan.start_batch,
-                cuda_ipc=device_ring.export if device_ring else None,
                 classes=plan.classes,
+                **memory.header(),
             ))
             stalled.disarm()
             header_sent_at = time.monotonic()
             for batch in stream.published():
-                if device_ring is not None and batch.rows:
-                    device_ring.publish(batch, plan)
-                message = _batch_message(batch, plan)
+                message = _batch_message(*memory.publish(batch), plan)
                 sending = time.perf_counter()
                 stalled.arm(plan.lease_timeout)
                 yield message  # returns once gRPC has taken the message
@@ -255,13 +217,10 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             stream.close()
             if job is not None:
                 job.remove_consumer(stream.wake)
-            if header_sent_at is not None and (segment is not None or device_ring is not None):
+            if header_sent_at is not None and memory.shared:
                 # The client may be opening what the header named: not gone until it has.
                 stream.wait_attached(header_sent_at + _ATTACH_GRACE)
-            if segment is not None:
-                segment.close()
-            if device_ring is not None:
-                device_ring.close(opened=stream.attached)
+            memory.close()
         # Aborting inside `except` would leave the exception, this frame and the stream
         # (with its plan) in a reference cycle, freed only at a garbage collection.
         if ending is not None and ending[0] is not None:
@@ -276,7 +235,7 @@ def _end_stalled(stream: Stream, context, lease_timeout: float) -> None:
     end_call(context, grpc.StatusCode.UNAVAILABLE, message)
 
 
-def _read_client(request_iterator, stream: Stream, segment) -> None:
+def _read_client(request_iterator, stream: Stream) -> None:
     """Apply the client's messages after `open` until it half-closes or goes away."""
     try:
         for message in request_iterator:
@@ -292,8 +251,6 @@ def _read_client(request_iterator, stream: Stream, segment) -> None:
                                   f"has not had back")
                     return
             elif kind == "attached":
-                if segment is not None:
-                    segment.unlink()
                 stream.attach()
             elif kind == "open":
                 stream.cancel(grpc.StatusCode.INVALID_ARGUMENT,
@@ -340,29 +297,13 @@ class _StreamLog:
                  self.batches, self.failures, time.monotonic() - self._started, self.status)
 
 
-def _batch_message(batch: Batch, plan: StreamPlan) -> feed_pb2.ServerMessage | InlineBatch:
-    """The message of a batch: arrays by slot, or (inline) views of its rows, which
-    ``wire.serialize`` writes once. One whose every sample failed has no tensors:
-    the client notes its failures and yields nothing for it (an empty batch would
-    make a NaN loss), and its position still moves past it."""
-    message = feed_pb2.Batch(seq=batch.seq, slot=batch.slot)
-    for index, reason in batch.failures:
-        message.failures.add(index=index, reason=reason)
-    if not batch.rows:
-        return feed_pb2.ServerMessage(batch=message)
-    inline = plan.transport == feed_pb2.TRANSPORT_INLINE
-    chunks, offset = [], 0
-    for place in plan.layout.tensors:
-        array = batch.sent(place.name)
-        message.tensors.add(name=place.name, dtype=place.wire_dtype or place.dtype.name,
-                            shape=array.shape, offset=offset if inline else place.offset)
-        if inline and array.nbytes:
-            # types: numpy's stub lacks __buffer__; arrays have the buffer protocol
-            chunks.append(memoryview(np.ascontiguousarray(array)).cast("B"))  # pyright: ignore[reportArgumentType]
-            padding = -array.nbytes % _INLINE_ALIGN
-            if padding:
-                chunks.append(memoryview(bytes(padding)))
-            offset += array.nbytes + padding
-    if inline:
-        return InlineBatch(message, chunks, plan.compress, plan.compression)
-    return feed_pb2.ServerMessage(batch=message)
+def _batch_message(fields: feed_pb2.Batch, data: list[memoryview] | None,
+                   plan: StreamPlan) -> feed_pb2.ServerMessage | InlineBatch:
+    """The message of a published batch: its fields, and ``data`` (views of its rows,
+    which ``wire.serialize`` writes once, compressed if the plan asks) when its
+    memory sends the arrays in the message. One whose every sample failed has no
+    tensors: the client notes its failures and yields nothing for it (an empty
+    batch would make a NaN loss), and its position still moves past it."""
+    if data is None:
+        return feed_pb2.ServerMessage(batch=fields)
+    return InlineBatch(fields, data, plan.compress, plan.compression)

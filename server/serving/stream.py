@@ -6,13 +6,18 @@ sources.py); their rows go to the shared decode pool and may finish in any order
 ``published()`` hands batches out strictly by seq, so a batch's content never
 depends on timing: the reorder buffer is the ring itself.
 
+The slots live in the stream's ``SlotMemory`` (memory/slots.py), whatever the
+transport: decode threads write its host bytes, and when a batch's last row is
+written the memory runs the batch pass if it runs it on the host.
+
 Threads: the gRPC handler iterates ``published()``; the client-reader thread
-calls ``release()``; decode threads call ``decode_row()``. One condition
-variable guards the stream's state.
+calls ``release()`` and ``attach()``; decode threads call ``decode_row()``. One
+condition variable guards the stream's state.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import threading
@@ -21,12 +26,12 @@ from collections.abc import Iterator
 
 import grpc
 import numpy as np
-import torch
 
 from ..media.decode import DecodeError
 from ..media.pipeline import TransformFailed
 from ..media.samples import Decoders
 from ..memory.ring import SlotRing
+from ..memory.slots import SlotMemory
 from ..metrics import ServerMetrics
 from ..storage.roots import Storage
 from .order import samples_at
@@ -34,7 +39,7 @@ from .pool import DecodePool
 from .request import StreamPlan
 from .sources import BatchSource, OwnBatches
 
-__all__ = ["UNREAD", "Batch", "Stream", "StreamCancelled"]
+__all__ = ["UNREAD", "Batch", "Stream", "StreamCancelled", "StreamState"]
 
 _log = logging.getLogger(__name__)
 
@@ -75,6 +80,23 @@ class StreamCancelled(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class StreamState(enum.Enum):
+    """Where a stream is in its life; it only moves forward::
+
+        SERVING ──cancel()──▶ CANCELLED ──client_left()──▶ GONE
+           └───────────────────client_left()─────────────────┘
+
+    SERVING: batches start and are published. CANCELLED: it has ended (last
+    batch, failure budget, lease, drain, error); nothing new starts, but the
+    client may still attach the memory the header named. GONE: the call is
+    over, and nobody will attach any more.
+    """
+
+    SERVING = "serving"
+    CANCELLED = "cancelled"
+    GONE = "gone"
 
 
 class Batch:
@@ -227,28 +249,36 @@ class Batch:
             self.arrays["padded"][:rows] = padded
         if plan.fields is not None:
             self.lengths = plan.fields.pack(self.arrays, rows)
-        if plan.transform and self._stream.finish_on_host and not self._stream.cancelled:
-            slot = torch.from_numpy(self._stream.ring.slot(self.slot))
-            # types: views of a tensor slot are tensors; layout.views is typed for numpy
-            plan.transform.finish_slot(plan.layout.views(slot), rows)  # pyright: ignore[reportArgumentType]
+        if not self._stream.cancelled:
+            self._stream.memory.filled(self._stream.ring.slot(self.slot), rows)
         self._stream.metrics.stages["batch"].observe(time.perf_counter() - self._started)
 
 
 class Stream:
-    def __init__(self, plan: StreamPlan, roots: Storage, pool: DecodePool[Decoders], buffer,
-                 metrics: ServerMetrics | None = None,
-                 source: BatchSource | None = None, finish_on_host: bool = True):
+    """One stream's batches, from its source's batch numbers to published slots.
+
+    ``plan`` says what to decode and how; ``memory`` holds the ring's slots
+    (any transport); ``source`` hands out the pass's batch numbers (the
+    stream's own pass by default, or a shared job's); ``pool`` runs the rows.
+    The stream starts a batch whenever a slot is free, publishes batches by
+    seq, and ends as ``state`` says (``StreamState``). It does not own
+    ``memory``: whoever made it closes it after ``close()`` (and, for a
+    shared memory, after ``wait_attached``).
+    """
+
+    def __init__(self, plan: StreamPlan, roots: Storage, pool: DecodePool[Decoders],
+                 memory: SlotMemory, metrics: ServerMetrics | None = None,
+                 source: BatchSource | None = None):
         self.plan = plan
-        # The batch pass runs on the host, or (cuda_ipc) on the device after the copy.
-        self.finish_on_host = finish_on_host
+        self.memory = memory
         self.source = source if source is not None else OwnBatches(plan)
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.roots = roots
-        self.ring = SlotRing(buffer, plan.num_slots, plan.layout.slot_bytes)
+        self.ring = SlotRing(memory.host, plan.num_slots, plan.layout.slot_bytes)
         self.cond = threading.Condition()
-        self.cancelled = False
-        self.attached = False
-        self.client_gone = False
+        self.state = StreamState.SERVING
+        # Apart from the state: a client may attach after the stream was cancelled.
+        self._attached = False
         self._ending = StreamCancelled()
         self._last_release = time.monotonic()
         self._read_any = False  # a Release came: the client reads the stream's batches
@@ -256,6 +286,11 @@ class Stream:
         self._batches: dict[int, Batch] = {}
         self._next_seq = plan.start_batch  # the seq the next batch started will get
         self._next_out = plan.start_batch  # the seq published next
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the stream has ended: no batch starts, no row is decoded any more."""
+        return self.state is not StreamState.SERVING
 
     def start(self) -> None:
         with self.cond:
@@ -284,9 +319,10 @@ class Stream:
             self.cond.notify_all()
 
     def attach(self) -> None:
-        """The client has mapped the stream's shared memory, or opened its device memory."""
+        """The client has mapped or opened the stream's memory (``memory.attached()``)."""
+        self.memory.attached()
         with self.cond:
-            self.attached = True
+            self._attached = True
             self.cond.notify_all()
 
     def wait_attached(self, deadline: float) -> None:
@@ -298,21 +334,22 @@ class Stream:
         unlinking it then would turn the real status into "cannot map".
         """
         with self.cond:
-            self.cond.wait_for(lambda: self.attached or self.client_gone,
+            self.cond.wait_for(lambda: self._attached or self.state is StreamState.GONE,
                                max(deadline - time.monotonic(), 0))
 
     def client_left(self) -> None:
         """The call is over (gRPC's callback: the client cancelled or its connection
         dropped, or, after the handler, any end): nobody will attach any more."""
-        with self.cond:
-            self.client_gone = True
         self.cancel()
+        with self.cond:
+            self.state = StreamState.GONE
+            self.cond.notify_all()
 
     def cancel(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
         """End the stream; ``published()`` raises StreamCancelled(code, message)."""
         with self.cond:
-            if not self.cancelled:
-                self.cancelled = True
+            if self.state is StreamState.SERVING:
+                self.state = StreamState.CANCELLED
                 self._ending = StreamCancelled(code, message)
             self.cond.notify_all()
 

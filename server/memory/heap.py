@@ -1,0 +1,65 @@
+"""The inline transport's slot memory: the server's heap.
+
+Nothing is shared with the client: each batch's arrays travel in its Batch
+message, taken from the slot's rows as views (``publish``), which the
+response serializer (serving/wire.py) writes onto the wire with one copy.
+Each array starts at a multiple of ``INLINE_ALIGN`` bytes of the message's
+data, so the client can view every dtype in place.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from gpufeed.v1 import feed_pb2
+
+from .slots import FilledBatch, batch_fields, batch_pass_on_host
+
+if TYPE_CHECKING:  # a type only: memory/ imports nothing of serving/
+    from ..serving.request import StreamPlan
+
+__all__ = ["INLINE_ALIGN", "HeapSlots"]
+
+INLINE_ALIGN = 64
+
+
+class HeapSlots:
+    """A stream's slots in a ``bytearray``; batches are sent inline (a ``SlotMemory``)."""
+
+    shared = False
+
+    def __init__(self, plan: StreamPlan):
+        self._plan = plan
+        self.host = bytearray(plan.num_slots * plan.layout.slot_bytes)
+
+    def header(self) -> dict[str, object]:
+        return {}
+
+    def attached(self) -> None:
+        pass
+
+    def filled(self, slot: np.ndarray, rows: int) -> None:
+        batch_pass_on_host(self._plan, slot, rows)
+
+    def publish(self, batch: FilledBatch) -> tuple[feed_pb2.Batch, list[memoryview] | None]:
+        """The fields, with each tensor's offset in the message's data, and the rows'
+        bytes (views of the slot, padded to ``INLINE_ALIGN``)."""
+        fields = batch_fields(batch, self._plan.layout)
+        if not batch.rows:  # every sample failed: no tensors, no data
+            return fields, None
+        chunks, offset = [], 0
+        for meta in fields.tensors:
+            array = batch.sent(meta.name)
+            meta.offset = offset
+            if array.nbytes:
+                chunks.append(memoryview(np.ascontiguousarray(array)).cast("B"))
+                padding = -array.nbytes % INLINE_ALIGN
+                if padding:
+                    chunks.append(memoryview(bytes(padding)))
+                offset += array.nbytes + padding
+        return fields, chunks
+
+    def close(self) -> None:
+        self.host = bytearray()

@@ -1,0 +1,107 @@
+"""The slot memory of a stream: one protocol, one backend per transport.
+
+A stream's ring (ring.py) leases slots of one buffer; where that buffer lives
+is the transport: the server's heap (inline, heap.py), a POSIX shared-memory
+segment (shm, shm.py), or pinned host memory with a device twin (cuda_ipc,
+cuda_ipc.py). Each backend is a ``SlotMemory``, so the servicer and the stream
+hold one memory object and never ask which transport it is:
+
+- ``host``: the bytes decode threads write, ``num_slots`` slots back to back;
+- ``header()``: the StreamHeader fields that tell the client where they are;
+- ``shared`` and ``attached()``: whether the client maps (or opens) the memory
+  and says so, and what the memory does when it has (shm unlinks its name);
+- ``filled(slot, rows)``: the batch pass where the memory runs it on the host,
+  in the decode thread that wrote the slot's last row;
+- ``publish(batch)``: a filled slot made visible to the client (cuda_ipc copies
+  it to the device first), and the Batch message's fields;
+- ``close()``: the stream has ended and the client has attached or never will.
+
+Which backend a stream gets is ``SlotMemories``'s choice (memories.py).
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from gpufeed.v1 import feed_pb2
+
+from .ring import BatchLayout
+
+if TYPE_CHECKING:  # a type only: memory/ imports nothing of serving/
+    from ..serving.request import StreamPlan
+
+__all__ = ["FilledBatch", "SlotMemory", "batch_fields", "batch_pass_on_host"]
+
+
+class FilledBatch(Protocol):
+    """What a memory reads of a batch whose rows are written (serving's ``Batch``)."""
+
+    seq: int
+    slot: int
+    rows: int
+    failures: list[tuple[int, str]]
+
+    def sent(self, name: str) -> np.ndarray:
+        """The array ``name`` as it is sent (its filled rows, or a packed field's entries)."""
+        ...
+
+
+class SlotMemory(Protocol):
+    """The memory behind one stream's slots, and how the client gets at them.
+
+    Called from the stream's threads: ``filled`` by decode threads,
+    ``attached`` by the client-reader thread, the rest by the gRPC handler.
+    """
+
+    host: bytearray | mmap.mmap | np.ndarray
+    """The bytes decode threads write: ``num_slots`` slots of ``slot_bytes``."""
+
+    shared: bool
+    """Whether the client maps or opens this memory and says ``attached``: the
+    server must not let it go before it has (or has left)."""
+
+    def header(self) -> dict[str, object]:
+        """The StreamHeader fields that name this memory for the client."""
+        ...
+
+    def attached(self) -> None:
+        """The client has mapped or opened the memory."""
+        ...
+
+    def filled(self, slot: np.ndarray, rows: int) -> None:
+        """Every row of ``slot`` (its bytes in ``host``) is written; the batch pass runs
+        here if this memory runs it on the host."""
+        ...
+
+    def publish(self, batch: FilledBatch) -> tuple[feed_pb2.Batch, list[memoryview] | None]:
+        """Make a filled batch visible to the client: its Batch message's fields, and
+        the arrays' bytes when they travel in the message (None: in this memory)."""
+        ...
+
+    def close(self) -> None:
+        """Let the memory go: the stream has ended, and no decode thread writes it."""
+        ...
+
+
+def batch_fields(batch: FilledBatch, layout: BatchLayout) -> feed_pb2.Batch:
+    """A batch's Batch fields: seq, slot, failures and, when it has rows, each
+    tensor's name, dtype, shape and offset in the slot."""
+    fields = feed_pb2.Batch(seq=batch.seq, slot=batch.slot)
+    for index, reason in batch.failures:
+        fields.failures.add(index=index, reason=reason)
+    if batch.rows:
+        for place in layout.tensors:
+            fields.tensors.add(name=place.name, dtype=place.wire_dtype or place.dtype.name,
+                               shape=batch.sent(place.name).shape,
+                               offset=place.offset)
+    return fields
+
+
+def batch_pass_on_host(plan: StreamPlan, slot: np.ndarray, rows: int) -> None:
+    """Run the plan's batch pass (if any) over a host slot's first ``rows`` rows."""
+    if plan.transform:
+        plan.transform.finish_slot(plan.layout.views(torch.from_numpy(slot)), rows)
