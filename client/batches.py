@@ -1,4 +1,11 @@
-"""Turning Batch messages into tensor dicts, for each transport.
+"""Turning Batch messages into tensor dicts: the protocol each transport's reader keeps.
+
+A stream has one ``BatchReader``, made for the transport its header names:
+``InlineBatches`` (inline.py), ``ShmBatches`` (shm.py), ``CudaBatches``
+(cuda_ipc.py). A reader hands each batch's slot back to the server itself,
+through the ``Release`` it was given: at once when nothing of the server's is
+held, else when the trainer has dropped the batch. The stream (stream.py)
+never asks which it was.
 
 Every transport builds a batch's tensors the same way: as views of one storage
 per batch that holds the slot's bytes (``slot_tensors``). For inline the
@@ -25,23 +32,43 @@ from __future__ import annotations
 
 import collections
 import functools
-import warnings
-import weakref
 from collections.abc import Callable
+from typing import Protocol
 
-import grpc
 import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
 
-from .errors import FeedError
-from .inline import DECOMPRESSORS
-from .shm import map_segment
-
-__all__ = ["HeldSlots", "InlineBatches", "SharedSlots", "ShmBatches", "slot_tensors"]
+__all__ = ["BatchReader", "HeldSlots", "Release", "SharedSlots", "owned", "slot_tensors"]
 
 Release = Callable[[int], None]  # gives batch seq's slot back to the server
+
+
+class BatchReader(Protocol):
+    """One stream's Batch messages into tensors, for the transport its header names.
+
+    Made from the header, a ``Release`` and ``copy`` (owned tensors always);
+    called from the thread that iterates the stream, except that slots may be
+    released from any thread (a finaliser, a CUDA event watcher).
+    """
+
+    shared: bool
+    """Whether the reader mapped or opened memory of the server's: the stream
+    then says ``attached``, and the server may let go of the memory's name."""
+
+    def make_room(self) -> None:
+        """Release the slots of the batches the trainer has dropped since."""
+        ...
+
+    def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
+        """The batch's tensors, by name; its slot is released now if they hold
+        nothing of the server's, else once the trainer has dropped them."""
+        ...
+
+    def close(self) -> None:
+        """The stream has ended: stop whatever the reader runs."""
+        ...
 
 
 def slot_tensors(slot: torch.UntypedStorage, metas) -> dict[str, torch.Tensor]:
@@ -71,56 +98,6 @@ def _torch_dtype(name: str) -> torch.dtype:
     if name == "bfloat16":  # numpy has no bfloat16; torch does
         return torch.bfloat16
     return torch.from_numpy(np.empty(0, np.dtype(name))).dtype
-
-
-class InlineBatches:
-    """Inline batches: tensors are read-only views of each received message's bytes
-    (``inline.parse``), decompressed first when the stream is compressed; with
-    ``copy``, owned writable tensors (one copy of the bytes).
-
-    Nothing is shared with the server, so the slot is released as soon as the
-    message is read, whatever the trainer keeps.
-    """
-
-    def __init__(self, copy: bool = False):
-        self._copy = copy
-        self._decompress: dict[str, Callable] = {}
-
-    def make_room(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def tensors(self, batch) -> tuple[dict[str, torch.Tensor], bool]:
-        """The batch's tensors, and True: nothing of the server's is held, the slot can
-        go back now."""
-        data = batch.data  # a view of the message (inline.parse), or bytes
-        if batch.compression:
-            data = self._decompressor(batch.compression)(data)
-        if not data:  # every sample failed: empty tensors (frombuffer refuses b"")
-            return slot_tensors(torch.UntypedStorage(0), batch.tensors), True
-        if self._copy:
-            data = bytearray(data)
-        with warnings.catch_warnings():
-            # torch warns (once) that it cannot mark a tensor read-only; the class says so.
-            warnings.filterwarnings("ignore", "The given buffer is not writable")
-            storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
-        return slot_tensors(storage, batch.tensors), True
-
-    def _decompressor(self, name: str) -> Callable:
-        if name not in self._decompress:
-            if name not in DECOMPRESSORS:
-                raise FeedError(grpc.StatusCode.UNIMPLEMENTED,
-                                f"the server sent {name}-compressed batches; this client "
-                                f"knows {', '.join(sorted(DECOMPRESSORS))}")
-            try:
-                self._decompress[name] = DECOMPRESSORS[name]()
-            except ImportError as e:
-                raise FeedError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"{name}-compressed batches need {e.name} in the trainer: "
-                                f"pip install 'gpufeed[compression]'") from None
-        return self._decompress[name]
 
 
 class HeldSlots:
@@ -180,46 +157,13 @@ class SharedSlots:
         slot = self._storage[start:start + self._slot_bytes]  # a storage of its own, aliased
         tensors = slot_tensors(slot, batch.tensors)
         if self._copy or not self._held.has_room():
-            tensors = _owned(tensors)
+            tensors = owned(tensors)
             give_back()
         else:
             self._held.hold(lambda: _storage_in_use(slot), give_back)
         return tensors
 
 
-class ShmBatches:
-    def __init__(self, header: feed_pb2.StreamHeader, release: Release, copy: bool):
-        try:
-            self._memory = map_segment(header.shm_name, header.num_slots * header.slot_bytes)
-        except OSError as e:
-            raise FeedError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"shm: cannot map the server's segment ({e.strerror}): the trainer "
-                            f"must share the server's /dev/shm and user; use transport='auto' "
-                            f"or 'inline'") from None
-        self._slot_bytes = header.slot_bytes
-        self._release = release
-        self._copy = copy
-        self._held = HeldSlots(header.num_slots)
-        self.make_room = self._held.make_room
-
-    def close(self) -> None:
-        pass
-
-    def tensors(self, batch: feed_pb2.Batch) -> tuple[dict[str, torch.Tensor], bool]:
-        """The batch's tensors, and whether they are owned (the slot can go back now)."""
-        # The storage keeps ``base`` alive while any tensor of the batch lives, so a
-        # finaliser on ``base`` releases the slot as soon as the trainer drops the
-        # batch, not only at the next fetch.
-        base = np.frombuffer(self._memory, np.uint8, count=self._slot_bytes,
-                             offset=batch.slot * self._slot_bytes)
-        tensors = slot_tensors(torch.from_numpy(base).untyped_storage(), batch.tensors)
-        if self._copy or not self._held.has_room():
-            return _owned(tensors), True
-        released = weakref.finalize(base, self._release, batch.seq)
-        self._held.hold(lambda: released.alive, released)
-        return tensors, False
-
-
-def _owned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def owned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Copies of a batch's tensors that the trainer owns, on the same device."""
     return {name: t.clone() for name, t in tensors.items()}

@@ -40,6 +40,14 @@ _CHANNEL_OPTIONS = [
 
 
 class Connection:
+    """One gpufeed server at ``address``: its gRPC channel and stub, and what it said.
+
+    ``info()`` asks for the server's Info; ``auto_transport()`` is the transport
+    ``auto`` means with this server (asked once, then kept); ``answered`` says
+    whether the server has ever answered, which decides whether a failure is an
+    outage worth reconnecting through. Shared by every loader of a FeedClient.
+    """
+
     def __init__(self, address: str, *, connect_timeout: float,
                  credentials: grpc.ChannelCredentials | None, token: str | None):
         self.address = address

@@ -47,6 +47,14 @@ def local_device(uuid: str) -> int | None:
 
 
 class CudaBatches:
+    """Batches as CUDA views of the server's device ring, opened once (a ``BatchReader``).
+
+    A batch's slot is released once the trainer has dropped it (or, for a copy,
+    at once) and the kernels queued on its stream until then have finished.
+    """
+
+    shared = True
+
     def __init__(self, header: feed_pb2.StreamHeader, release: Release, copy: bool):
         ipc = header.cuda_ipc
         index = local_device(ipc.gpu_uuid)
@@ -77,13 +85,13 @@ class CudaBatches:
         threading.Thread(target=self._release_when_finished, daemon=True,
                          name="gpufeed-cuda-release").start()
 
-    def tensors(self, batch: feed_pb2.Batch) -> tuple[dict[str, torch.Tensor], bool]:
-        """The batch's tensors, and False: releases wait for the trainer's kernels (a
-        copy's too), so the loader must not send them itself."""
+    def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
+        """The batch's tensors, ready on the current stream; the slot is released by the
+        watcher thread, after the trainer's kernels (a copy's too)."""
         stream = torch.cuda.current_stream(self.device)  # the batch is ready on this one
         stream.wait_event(self._ready[batch.slot])
         seq = batch.seq
-        return self._slots.tensors(batch, lambda: self._give_back(seq, stream)), False
+        return self._slots.tensors(batch, lambda: self._give_back(seq, stream))
 
     def close(self) -> None:
         self._finished.put(None)

@@ -8,13 +8,24 @@ other field with protobuf, and keeps ``data`` as a view of the received
 bytes: the batch's tensors are views of it too (``InlineBatches``).
 
 Messages without ``data`` (the header, zero-copy batches) are parsed as usual.
+
+``InlineBatches`` is the inline transport's ``BatchReader`` (batches.py).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
+import grpc
+import torch
+
 from gpufeed.v1 import feed_pb2
 
-__all__ = ["DECOMPRESSORS", "ReceivedBatch", "parse"]
+from .batches import Release, slot_tensors
+from .errors import FeedError
+
+__all__ = ["DECOMPRESSORS", "InlineBatches", "ReceivedBatch", "parse"]
 
 _BATCH_FIELD = 2  # ServerMessage.batch
 _DATA_FIELD = 4  # Batch.data
@@ -109,3 +120,57 @@ def parse(raw: bytes) -> feed_pb2.ServerMessage | _Received:
     if data is None:
         return feed_pb2.ServerMessage.FromString(raw)
     return _Received(ReceivedBatch(feed_pb2.Batch.FromString(b"".join(fields)), data))
+
+
+class InlineBatches:
+    """Inline batches: tensors are read-only views of each received message's bytes
+    (``inline.parse``), decompressed first when the stream is compressed; with
+    ``copy``, owned writable tensors (one copy of the bytes).
+
+    Nothing is shared with the server, so the slot is released as soon as the
+    message is read, whatever the trainer keeps (a ``BatchReader``).
+    """
+
+    shared = False
+
+    def __init__(self, header: feed_pb2.StreamHeader, release: Release, copy: bool):
+        self._release = release
+        self._copy = copy
+        self._decompress: dict[str, Callable] = {}
+
+    def make_room(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def tensors(self, batch) -> dict[str, torch.Tensor]:
+        """The batch's tensors; its slot goes back now (nothing of the server's is held)."""
+        data = batch.data  # a view of the message (inline.parse), or bytes
+        if batch.compression:
+            data = self._decompressor(batch.compression)(data)
+        if not data:  # every tensor is empty (frombuffer refuses b"")
+            storage = torch.UntypedStorage(0)
+        else:
+            if self._copy:
+                data = bytearray(data)
+            with warnings.catch_warnings():
+                # torch warns (once) that it cannot mark a tensor read-only; the class says so.
+                warnings.filterwarnings("ignore", "The given buffer is not writable")
+                storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+        self._release(batch.seq)
+        return slot_tensors(storage, batch.tensors)
+
+    def _decompressor(self, name: str) -> Callable:
+        if name not in self._decompress:
+            if name not in DECOMPRESSORS:
+                raise FeedError(grpc.StatusCode.UNIMPLEMENTED,
+                                f"the server sent {name}-compressed batches; this client "
+                                f"knows {', '.join(sorted(DECOMPRESSORS))}")
+            try:
+                self._decompress[name] = DECOMPRESSORS[name]()
+            except ImportError as e:
+                raise FeedError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{name}-compressed batches need {e.name} in the trainer: "
+                                f"pip install 'gpufeed[compression]'") from None
+        return self._decompress[name]

@@ -1,7 +1,7 @@
 """``Loader``: an iterable of batches; each pass over it is one epoch.
 
-A pass opens a Stream for the loader's current epoch, reads the header, maps
-the stream's memory (shm, cuda_ipc) and yields one ``dict[str, torch.Tensor]``
+A pass opens a Stream for the loader's current epoch (stream.py: the header,
+the stream's memory, its batches) and yields one ``dict[str, torch.Tensor]``
 per batch: ``image`` uint8 [N, 3, H, W], ``index`` int64 [N] (each sample's
 position in the request's file list) and ``label`` int64 [N] when labels were
 given. Samples that failed to read or decode are left out of the batch; they
@@ -50,7 +50,7 @@ from gpufeed.v1 import feed_pb2
 from .connection import Connection, transport_name
 from .errors import FeedError
 from .fingerprint import check_fingerprint, request_fingerprint
-from .stream import OpenStream
+from .stream import OpenStream, open_stream
 
 __all__ = ["Loader"]
 
@@ -78,6 +78,18 @@ class _Outage:
 
 
 class Loader:
+    """An iterable of batches (``dict[str, torch.Tensor]``) over one or more servers.
+
+    Made by ``FeedClient.loader`` with the servers' ``Connection``s and the
+    checked request. Each ``iter(loader)`` is one pass: an epoch, the next
+    unless ``set_epoch`` or ``load_state_dict`` chose it. The loader keeps the
+    pass's position (batches yielded, per server part), interleaves the parts
+    in the pass's order, and moves a part to another server, at its position,
+    when its stream breaks with UNAVAILABLE. What a stream is on the wire
+    (open, attach, release, each transport's tensors) is stream.py's.
+    Not thread-safe: one trainer thread iterates it.
+    """
+
     def __init__(self, servers: list[Connection], request: feed_pb2.StreamRequest, *, copy: bool,
                  reconnect_timeout: float):
         self._opened: dict[int, OpenStream] = {}  # opened ahead for the chosen pass, by part
@@ -251,7 +263,7 @@ class Loader:
         if len(self._parts) > 1:
             request.batch_stride, request.batch_offset = len(self._parts), part.index
         request.start_batch = part.consumed
-        stream = _open_stream(server, request, self._copy, auto)
+        stream = open_stream(server, request, self._copy, auto)
         header = stream.header
         self.classes = list(header.classes)
         self.transport = transport_name(header.transport)
@@ -293,28 +305,6 @@ class Loader:
 # What the server's lease timeout says of a stream whose batches the client never
 # read (server/serving/stream.py, UNREAD).
 _UNREAD = "the trainer has read no batch of this stream"
-
-# How the server's refusal for want of /dev/shm (or device) memory begins
-# (server/serving/service.py, _slot_memory).
-_NO_SLOT_MEMORY = "no memory for this stream's"
-
-
-def _open_stream(server: Connection, request: feed_pb2.StreamRequest, copy: bool,
-                 auto: bool) -> OpenStream:
-    """The stream; with transport auto, a zero-copy stream the server has no memory
-    for (RESOURCE_EXHAUSTED: its /dev/shm or GPU is full) is asked for again
-    inline, and the loader says so. An explicit transport gets the error, and so
-    does any other refusal (too many streams, the server's memory budget)."""
-    try:
-        return OpenStream(server, request, copy)
-    except grpc.RpcError as e:
-        if not (auto and request.transport != feed_pb2.TRANSPORT_INLINE
-                and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                and _NO_SLOT_MEMORY in (e.details() or "")):
-            raise
-        _log.warning("%s: transport auto -> inline this pass: %s", server.address, e.details())
-        request.transport = feed_pb2.TRANSPORT_INLINE
-        return OpenStream(server, request, copy)
 
 
 def _status(error: grpc.RpcError | FeedError) -> tuple[grpc.StatusCode, str]:

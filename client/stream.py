@@ -1,4 +1,12 @@
-"""One Stream call: opened, its header read and its memory mapped, then its batches.
+"""The Stream call's protocol, the trainer's side: open, header, attach, batches, release.
+
+A stream sends ``open`` with the request, reads the header, opens the memory
+it names with the transport's ``BatchReader`` (batches.py) and says
+``attached`` if that memory is the server's; then it reads one Batch message
+per batch and sends one ``Release`` per batch, carrying how long the trainer
+waited for it. The reader decides when a slot goes back: a slot it gives back
+while the stream reads that batch (owned tensors) rides on that batch's
+Release; one given back later (a dropped view) gets a Release of its own.
 
 Opening is separate from reading so that a loader can open its first stream
 when it is made: the server's refusal of the request, and the header's facts
@@ -8,7 +16,9 @@ starts decoding while the trainer sets up.
 
 from __future__ import annotations
 
+import logging
 import queue
+import threading
 import time
 from collections.abc import Iterator
 
@@ -16,17 +26,27 @@ import torch
 
 from gpufeed.v1 import feed_pb2
 
-from .batches import InlineBatches, ShmBatches
+from .batches import BatchReader, Release
 from .connection import Connection
+from .inline import InlineBatches
+from .shm import ShmBatches
 
-__all__ = ["OpenStream"]
+__all__ = ["OpenStream", "open_stream"]
+
+_log = logging.getLogger(__name__)
+
+# How the server's refusal for want of /dev/shm (or device) memory begins
+# (server/memory/memories.py, SlotMemories.open).
+_NO_SLOT_MEMORY = "no memory for this stream's"
 
 
 class OpenStream:
     """A Stream call to ``server`` for ``request``, open and attached; ``close()`` ends it.
 
-    Raises what the call raises (grpc.RpcError, FeedError) if the server refuses
-    the request or the stream's memory cannot be opened.
+    ``header`` is the server's StreamHeader; ``batches()`` reads the batches to
+    the stream's end. Raises what the call raises (grpc.RpcError, FeedError) if
+    the server refuses the request or the stream's memory cannot be opened.
+    Not thread-safe: one thread iterates it (slots may be released from any).
     """
 
     def __init__(self, server: Connection, request: feed_pb2.StreamRequest, copy: bool):
@@ -34,19 +54,16 @@ class OpenStream:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from GC callbacks
         self._outbox.put(feed_pb2.ClientMessage(open=request))
         self._call = server.stub.Stream(iter(self._outbox.get, None), metadata=server.metadata)
-        self._batches = None
+        self._reader: BatchReader | None = None
+        # The batch being read, by the thread reading it, and whether its reader gave
+        # its slot back meanwhile (it then rides on the batch's Release).
+        self._reading: tuple[int, int] | None = None
+        self._given_back = False
         try:
             self.header: feed_pb2.StreamHeader = next(self._call).header
             server.answered = True
-            if self.header.transport == feed_pb2.TRANSPORT_SHM:
-                self._batches = ShmBatches(self.header, self._release, copy)
-            elif self.header.transport == feed_pb2.TRANSPORT_CUDA_IPC:
-                from .cuda_ipc import CudaBatches
-
-                self._batches = CudaBatches(self.header, self._release, copy)
-            else:
-                self._batches = InlineBatches(copy)
-            if self.header.transport != feed_pb2.TRANSPORT_INLINE:  # mapped or opened: say so
+            self._reader = _batch_reader(self.header, self._release, copy)
+            if self._reader.shared:  # mapped or opened: say so
                 self._outbox.put(feed_pb2.ClientMessage(attached=feed_pb2.Attached()))
         except BaseException:
             self.close()
@@ -57,28 +74,66 @@ class OpenStream:
         """(seq, failures, tensors) of each batch to the stream's end; slots go back as
         soon as the tensors are owned, or once the trainer drops them (views).
         ``tensors`` is None for a batch whose every sample failed."""
+        reader = self._reader
+        assert reader is not None
         while True:
-            self._batches.make_room()
+            reader.make_room()
             waiting = time.perf_counter()
             message = next(self._call, None)
             waited = time.perf_counter() - waiting
             if message is None:
                 return
-            if not message.batch.tensors:  # every sample failed: the server sent no rows
-                self._release(message.batch.seq, waited)
-                yield message.batch.seq, message.batch.failures, None
-                continue
-            tensors, owned = self._batches.tensors(message.batch)
-            self._release(message.batch.seq if owned else -1, waited)
-            yield message.batch.seq, message.batch.failures, tensors
+            batch = message.batch
+            tensors = None
+            if batch.tensors:  # else every sample failed: the server sent no rows
+                self._reading, self._given_back = (batch.seq, threading.get_ident()), False
+                try:
+                    tensors = reader.tensors(batch)
+                finally:
+                    self._reading = None
+            given_back = tensors is None or self._given_back
+            self._outbox.put(feed_pb2.ClientMessage(release=feed_pb2.Release(
+                seqs=[batch.seq] if given_back else [], wait_seconds=waited)))
+            yield batch.seq, batch.failures, tensors
 
     def close(self) -> None:
-        if self._batches is not None:
-            self._batches.close()
+        if self._reader is not None:
+            self._reader.close()
         self._call.cancel()
         self._outbox.put(None)
 
-    def _release(self, seq: int, waited: float = 0.0) -> None:
-        """Give batch ``seq``'s slot back (none for seq < 0), reporting time spent waiting."""
-        self._outbox.put(feed_pb2.ClientMessage(
-            release=feed_pb2.Release(seqs=[seq] if seq >= 0 else [], wait_seconds=waited)))
+    def _release(self, seq: int) -> None:
+        """The reader gives batch ``seq``'s slot back (from any thread)."""
+        if self._reading == (seq, threading.get_ident()):  # during tensors(): ride along
+            self._given_back = True
+        else:
+            self._outbox.put(feed_pb2.ClientMessage(release=feed_pb2.Release(seqs=[seq])))
+
+
+def _batch_reader(header: feed_pb2.StreamHeader, release: Release, copy: bool) -> BatchReader:
+    """The reader of the transport the header names (shm, cuda_ipc: mapped or opened now)."""
+    if header.transport == feed_pb2.TRANSPORT_SHM:
+        return ShmBatches(header, release, copy)
+    if header.transport == feed_pb2.TRANSPORT_CUDA_IPC:
+        from .cuda_ipc import CudaBatches  # CUDA only for a stream that uses it
+
+        return CudaBatches(header, release, copy)
+    return InlineBatches(header, release, copy)
+
+
+def open_stream(server: Connection, request: feed_pb2.StreamRequest, copy: bool,
+                auto: bool) -> OpenStream:
+    """The stream; with transport auto, a zero-copy stream the server has no memory
+    for (RESOURCE_EXHAUSTED: its /dev/shm or GPU is full) is asked for again
+    inline, and the loader says so. An explicit transport gets the error, and so
+    does any other refusal (too many streams, the server's memory budget)."""
+    try:
+        return OpenStream(server, request, copy)
+    except grpc.RpcError as e:
+        if not (auto and request.transport != feed_pb2.TRANSPORT_INLINE
+                and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                and _NO_SLOT_MEMORY in (e.details() or "")):
+            raise
+        _log.warning("%s: transport auto -> inline this pass: %s", server.address, e.details())
+        request.transport = feed_pb2.TRANSPORT_INLINE
+        return OpenStream(server, request, copy)
