@@ -70,6 +70,7 @@ class SlotMemories:
             if plan.transport == feed_pb2.TRANSPORT_CUDA_IPC:
                 from .cuda_ipc import DeviceSlots
 
+                assert self._device is not None  # offered only with a device
                 return DeviceSlots(self._device, plan, self._observe_copy)
             return HeapSlots(plan)
         except (MemoryError, OSError, RuntimeError) as e:

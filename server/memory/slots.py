@@ -57,8 +57,10 @@ class SlotMemory(Protocol):
     ``attached`` by the client-reader thread, the rest by the gRPC handler.
     """
 
-    host: bytearray | mmap.mmap | np.ndarray
-    """The bytes decode threads write: ``num_slots`` slots of ``slot_bytes``."""
+    @property
+    def host(self) -> bytearray | mmap.mmap | np.ndarray:
+        """The bytes decode threads write: ``num_slots`` slots of ``slot_bytes``."""
+        ...
 
     shared: bool
     """Whether the client maps or opens this memory and says ``attached``: the
