@@ -109,7 +109,7 @@ def test_a_shm_view_gives_its_slot_back_once_dropped(segment, copy):
                       *(_batch(seq, 3, False) for seq in range(3))])
     stream = OpenStream(server, feed_pb2.StreamRequest(), copy=copy)
     batches = stream.batches()
-    for seq, _, tensors in batches:
+    for _, _, tensors in batches:
         assert tensors["index"].shape == (2,)
         del tensors  # the trainer drops each batch before it asks for the next
     batches.close()
