@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import grpc
 import torch
 
 from gpufeed.v1 import feed_pb2

@@ -185,8 +185,8 @@ class DeviceSlots:
         self._opened = False
         self.host = self._ring.host_buffer()
 
-    def header(self) -> dict[str, object]:
-        return {"cuda_ipc": self._ring.export}
+    def header(self) -> feed_pb2.StreamHeader:
+        return feed_pb2.StreamHeader(cuda_ipc=self._ring.export)
 
     def attached(self) -> None:
         """The trainer has opened the export: its count is the trainer's to give back."""

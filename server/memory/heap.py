@@ -34,8 +34,8 @@ class HeapSlots:
         self._plan = plan
         self.host = bytearray(plan.num_slots * plan.layout.slot_bytes)
 
-    def header(self) -> dict[str, object]:
-        return {}
+    def header(self) -> feed_pb2.StreamHeader:
+        return feed_pb2.StreamHeader()
 
     def attached(self) -> None:
         pass
@@ -54,7 +54,9 @@ class HeapSlots:
             array = batch.sent(meta.name)
             meta.offset = offset
             if array.nbytes:
-                chunks.append(memoryview(np.ascontiguousarray(array)).cast("B"))
+                # types: numpy's stub lacks __buffer__; arrays have the buffer protocol
+                view = memoryview(np.ascontiguousarray(array))  # pyright: ignore[reportArgumentType]
+                chunks.append(view.cast("B"))
                 padding = -array.nbytes % INLINE_ALIGN
                 if padding:
                     chunks.append(memoryview(bytes(padding)))

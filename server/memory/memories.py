@@ -41,15 +41,16 @@ class SlotMemories:
         self._shm = shm
         self._device = device
         self._observe_copy = observe_copy
-        self.transports: tuple[int, ...] = (feed_pb2.TRANSPORT_INLINE,)
+        transports = [feed_pb2.TRANSPORT_INLINE]
         if shm.probe is not None:  # else /dev/shm was full or missing at start-up
-            self.transports += (feed_pb2.TRANSPORT_SHM,)
+            transports.append(feed_pb2.TRANSPORT_SHM)
         self.gpu_uuid = ""
         if device is not None:
             from .cuda_ipc import gpu_uuid
 
-            self.transports += (feed_pb2.TRANSPORT_CUDA_IPC,)
+            transports.append(feed_pb2.TRANSPORT_CUDA_IPC)
             self.gpu_uuid = gpu_uuid(device)
+        self.transports: tuple[feed_pb2.Transport, ...] = tuple(transports)
 
     def shm_probe(self) -> feed_pb2.ShmProbe | None:
         """Info's proof of a shared /dev/shm (the client's ``auto`` reads it)."""

@@ -134,8 +134,8 @@ class ShmSlots:
         self._segment = shm.create(plan.num_slots * plan.layout.slot_bytes)
         self.host = self._segment.buffer
 
-    def header(self) -> dict[str, object]:
-        return {"shm_name": self._segment.name}
+    def header(self) -> feed_pb2.StreamHeader:
+        return feed_pb2.StreamHeader(shm_name=self._segment.name)
 
     def attached(self) -> None:
         """The client has mapped the segment: its name can go."""

@@ -66,8 +66,8 @@ class SlotMemory(Protocol):
     """Whether the client maps or opens this memory and says ``attached``: the
     server must not let it go before it has (or has left)."""
 
-    def header(self) -> dict[str, object]:
-        """The StreamHeader fields that name this memory for the client."""
+    def header(self) -> feed_pb2.StreamHeader:
+        """A StreamHeader with the fields that name this memory for the client."""
         ...
 
     def attached(self) -> None:
@@ -106,4 +106,6 @@ def batch_fields(batch: FilledBatch, layout: BatchLayout) -> feed_pb2.Batch:
 def batch_pass_on_host(plan: StreamPlan, slot: np.ndarray, rows: int) -> None:
     """Run the plan's batch pass (if any) over a host slot's first ``rows`` rows."""
     if plan.transform:
-        plan.transform.finish_slot(plan.layout.views(torch.from_numpy(slot)), rows)
+        # types: views of a tensor slot are tensors; layout.views is typed for numpy
+        views = plan.layout.views(torch.from_numpy(slot))
+        plan.transform.finish_slot(views, rows)  # pyright: ignore[reportArgumentType]

@@ -178,7 +178,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             stream.start()
             reader.start()
             stalled.arm(plan.lease_timeout)
-            yield feed_pb2.ServerMessage(header=feed_pb2.StreamHeader(
+            header = feed_pb2.StreamHeader(
                 # types: protobuf's stub wants the enum type, the plan holds its int
                 transport=plan.transport,  # pyright: ignore[reportArgumentType]
                 num_slots=plan.num_slots,
@@ -186,8 +186,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 num_samples=0 if job else plan.num_samples,
                 num_batches=0 if job else len(plan.batches) - plan.start_batch,
                 classes=plan.classes,
-                **memory.header(),
-            ))
+            )
+            header.MergeFrom(memory.header())  # where the memory is: its own fields
+            yield feed_pb2.ServerMessage(header=header)
             stalled.disarm()
             header_sent_at = time.monotonic()
             for batch in stream.published():
