@@ -14,11 +14,12 @@ Needs grpcio, protobuf, numpy and torch only (no PyAV, no prometheus-client).
 """
 
 from .errors import FeedError
+from .failures import SampleFailure
 from .feed import FeedClient
 from .fields import Field, metadata, split
 from .loader import Loader
 from .mixing import cutmix, mixup
 from .output import Output
 
-__all__ = ["FeedClient", "FeedError", "Field", "Loader", "Output", "cutmix", "metadata", "mixup",
-           "split"]
+__all__ = ["FeedClient", "FeedError", "Field", "Loader", "Output", "SampleFailure", "cutmix",
+           "metadata", "mixup", "split"]

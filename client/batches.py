@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import BFLOAT16, carrier_dtype
 
 __all__ = ["BatchReader", "HeldSlots", "Release", "SharedSlots", "owned", "slot_tensors"]
 
@@ -95,9 +96,9 @@ def _storage_in_use(storage: torch.UntypedStorage) -> bool:
 
 @functools.cache
 def _torch_dtype(name: str) -> torch.dtype:
-    if name == "bfloat16":  # numpy has no bfloat16; torch does
+    if name == BFLOAT16:  # numpy has no bfloat16 (the server carries it as uint16); torch does
         return torch.bfloat16
-    return torch.from_numpy(np.empty(0, np.dtype(name))).dtype
+    return torch.from_numpy(np.empty(0, carrier_dtype(name))).dtype
 
 
 class HeldSlots:

@@ -7,12 +7,13 @@ import logging
 import grpc
 
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
+from gpufeed.v1.vocabulary import transport_name
 
 from . import inline
 from .errors import FeedError
 from .shm import shares_shm
 
-__all__ = ["Connection", "transport_name"]
+__all__ = ["Connection"]
 
 _log = logging.getLogger(__name__)
 
@@ -116,11 +117,6 @@ class Connection:
             _log.info("%s: transport auto -> %s (%s)", self.address, transport_name(self._auto),
                       why)
         return self._auto
-
-
-def transport_name(transport: int) -> str:
-    """TRANSPORT_SHM -> "shm", as loaders and logs name transports."""
-    return feed_pb2.Transport.Name(transport).removeprefix("TRANSPORT_").lower()
 
 
 def _sees_gpu(uuid: str) -> bool:

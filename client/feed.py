@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import TRANSPORTS
 
 from .connection import Connection
 from .errors import FeedError
@@ -19,8 +20,7 @@ from .output import Output, choice
 
 __all__ = ["FeedClient"]
 
-_TRANSPORTS = {"auto": feed_pb2.TRANSPORT_AUTO, "inline": feed_pb2.TRANSPORT_INLINE,
-               "shm": feed_pb2.TRANSPORT_SHM, "cuda_ipc": feed_pb2.TRANSPORT_CUDA_IPC}
+_TRANSPORTS = {"auto": feed_pb2.TRANSPORT_AUTO, **TRANSPORTS}
 _LABEL_SOURCES = {"list_file": feed_pb2.LABELS_FROM_LIST_FILE,
                   "folder": feed_pb2.LABELS_FROM_FOLDER}
 

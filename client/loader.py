@@ -5,7 +5,8 @@ the stream's memory, its batches) and yields one ``dict[str, torch.Tensor]``
 per batch: ``image`` uint8 [N, 3, H, W], ``index`` int64 [N] (each sample's
 position in the request's file list) and ``label`` int64 [N] when labels were
 given. Samples that failed to read or decode are left out of the batch; they
-are logged once each and listed in ``loader.failures`` for the current pass.
+are logged once each and listed in ``loader.failures`` for the current pass,
+each an ``(index, reason)`` pair with its ``category`` (failures.py).
 
 The loader opens its first stream when it is made, so that a refused request
 fails at ``loader(...)`` and the header's facts (``classes``, ``len``) are
@@ -46,9 +47,11 @@ import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import transport_name
 
-from .connection import Connection, transport_name
+from .connection import Connection
 from .errors import FeedError
+from .failures import SampleFailure
 from .fingerprint import check_fingerprint, request_fingerprint
 from .stream import OpenStream, open_stream
 
@@ -105,7 +108,7 @@ class Loader:
         self.batch_size = request.batch_size
         self.transport: str | None = None  # of the stream opened last: "inline", "shm", ...
         self.classes: list[str] = []  # with labels="folder": label i is classes[i]
-        self.failures: list[tuple[int, str]] = []
+        self.failures: list[SampleFailure] = []  # (index, reason) pairs, with .category
         self._position: int | None = None  # the last yielded batch's place in its pass
         try:
             for part in self._parts:
@@ -297,9 +300,10 @@ class Loader:
             outage.backoff, outage.tried = min(2 * outage.backoff, _MAX_BACKOFF), 0
 
     def _note_failures(self, failures) -> None:
-        for failure in failures:
-            self.failures.append((failure.index, failure.reason))
-            _log.warning("sample %d skipped: %s", failure.index, failure.reason)
+        for failure in map(SampleFailure.from_wire, failures):
+            self.failures.append(failure)
+            _log.warning("sample %d skipped (%s): %s", failure.index, failure.category,
+                         failure.reason)
 
 
 # What the server's lease timeout says of a stream whose batches the client never

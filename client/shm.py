@@ -18,20 +18,19 @@ import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import SHM_DIR
 
 from .batches import HeldSlots, Release, owned, slot_tensors
 from .errors import FeedError
 
 __all__ = ["ShmBatches", "map_segment", "shares_shm"]
 
-_SHM_DIR = "/dev/shm"
-
 
 def map_segment(name: str, size: int) -> mmap.mmap:
     """Map the server's segment ``name`` (read-write, shared)."""
     if "/" in name or not name:
         raise ValueError(f"bad segment name {name!r}")
-    fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
     try:
         return mmap.mmap(fd, size)
     finally:
@@ -43,7 +42,7 @@ def shares_shm(probe_name: str, token: bytes) -> bool:
     if not probe_name or not token:
         return False
     try:
-        fd = os.open(os.path.join(_SHM_DIR, probe_name), os.O_RDONLY)
+        fd = os.open(os.path.join(SHM_DIR, probe_name), os.O_RDONLY)
     except OSError:
         return False
     try:

@@ -22,7 +22,6 @@ import math
 import threading
 from typing import Any
 
-import numpy as np
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -37,19 +36,21 @@ from prometheus_client.registry import Collector
 
 import gpufeed
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import (
+    FAILURE_CATEGORIES,
+    TRANSPORTS,
+    carrier_dtype,
+    failure_category_name,
+    transport_name,
+)
 
-__all__ = [
-    "FAILURE_REASONS", "REFUSAL_CODES", "STAGES", "TRANSPORTS", "ServerMetrics", "failure_reason",
-    "transport_name",
-]
+__all__ = ["REFUSAL_CODES", "STAGES", "ServerMetrics"]
 
-TRANSPORTS = ("inline", "shm", "cuda_ipc")
 # read: one sample's bytes; decode: one sample decoded and scaled into its row;
 # batch: a batch from its first row queued to its last row done (queueing included);
 # device_copy: host-to-device copy of a batch (only where a GPU is attached);
 # send: a batch message handed to gRPC until gRPC takes the next (flow control included).
 STAGES = ("read", "decode", "batch", "device_copy", "send")
-FAILURE_REASONS = ("not_found", "permission_denied", "read_error", "decode_error")
 # The statuses a Stream is refused with (service.py), each a series from the start.
 REFUSAL_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
                  "UNAVAILABLE")
@@ -59,22 +60,6 @@ _STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 
                   0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                  1.0, 2.5, 5.0, 10.0)
-# The reason strings stream.py puts in a batch's failures, by category.
-_REASON_PREFIXES = (("file not found", "not_found"), ("permission denied", "permission_denied"),
-                    ("read error", "read_error"))
-
-
-def transport_name(transport: int) -> str:
-    """``feed_pb2.TRANSPORT_SHM`` -> ``"shm"``: the label value, as the client names it."""
-    return feed_pb2.Transport.Name(transport).removeprefix("TRANSPORT_").lower()
-
-
-def failure_reason(reason: str) -> str:
-    """The label for a failure message: a fixed category, never the message itself."""
-    for prefix, category in _REASON_PREFIXES:
-        if reason.startswith(prefix):
-            return category
-    return "decode_error"
 
 
 class ServerMetrics:
@@ -97,8 +82,8 @@ class ServerMetrics:
                                 "header (a bad request, a limit, draining), by gRPC status "
                                 "code.", ["code"], registry=r)
         self._failures = Counter("gpufeed_sample_failures", "Samples that failed to read or "
-                                 "decode and were left out of their batch.", ["reason"],
-                                 registry=r)
+                                 "decode and were left out of their batch, by the category "
+                                 "their SampleFailure carries.", ["category"], registry=r)
         self._stage = Histogram("gpufeed_stage_duration_seconds", "Time spent per pipeline "
                                 "stage: read and decode per sample; batch, device_copy and "
                                 "send per batch.", ["stage"], buckets=_STAGE_BUCKETS, registry=r)
@@ -113,8 +98,8 @@ class ServerMetrics:
             for family in (self._samples, self._batches, self._batch_bytes,
                            self._message_bytes, self._streams, self._wait):
                 family.labels(transport)
-        for reason in FAILURE_REASONS:
-            self._failures.labels(reason)
+        for category in FAILURE_CATEGORIES:
+            self._failures.labels(category)
         for code in REFUSAL_CODES:
             self._refused.labels(code)
         # Stream code times its stages with ``with metrics.stages["read"].time():``.
@@ -146,7 +131,7 @@ class ServerMetrics:
         nbytes = 0
         for tensor in batch.tensors:
             count = math.prod(tensor.shape)
-            nbytes += count * _itemsize(tensor.dtype)
+            nbytes += count * carrier_dtype(tensor.dtype).itemsize
             if tensor.name == "index":
                 rows = count
         self._samples.labels(name).inc(rows)
@@ -155,10 +140,11 @@ class ServerMetrics:
         self._message_bytes.labels(name).inc(message.ByteSize())
         self.stages["send"].observe(seconds)
 
-    def failed(self, reasons: list[str]) -> None:
-        """Samples of a finished batch that failed (counted even if the batch is never sent)."""
-        for reason in reasons:
-            self._failures.labels(failure_reason(reason)).inc()
+    def failed(self, categories: list[int]) -> None:
+        """Samples of a finished batch that failed, by ``feed_pb2.FailureCategory``
+        (counted even if the batch is never sent)."""
+        for category in categories:
+            self._failures.labels(failure_category_name(category)).inc()
 
     def released(self, transport: int, release: feed_pb2.Release) -> None:
         """Record the trainer's wait for a batch, carried by its Release.
@@ -192,11 +178,6 @@ class ServerMetrics:
             self._http.server_close()
             self._thread.join()
             self._http = None
-
-
-def _itemsize(dtype: str) -> int:
-    """Bytes per element of a tensor's dtype as named on the wire (numpy's names, and bfloat16)."""
-    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
 class _LiveState(Collector):

@@ -27,9 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpufeed.client import FeedClient
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
-from gpufeed.server.metrics import STAGES, ServerMetrics, failure_reason
+from gpufeed.server.metrics import STAGES, ServerMetrics
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import FAILURE_CATEGORIES
 
 _ROOT = Path(__file__).resolve().parents[1]
 _DASHBOARD = _ROOT / "docker" / "grafana" / "dashboards" / "gpufeed.json"
@@ -130,9 +131,7 @@ def _run_pass(client: FeedClient, data_root: Path, transport: str) -> dict:
         got["batches"] += 1
         got["bytes"] += sum(t.numel() * t.element_size() for t in batch.values())
     assert loader.transport == transport
-    # A reason is "<file>: <why>"; the metric's category is the why's.
-    got["failures"] = sorted(failure_reason(reason.split(": ", 1)[1])
-                             for _, reason in loader.failures)
+    got["failures"] = sorted(failure.category for failure in loader.failures)
     return got
 
 
@@ -143,7 +142,7 @@ def test_counters_equal_what_the_client_received(data_root):
 
     for transport, got in received.items():
         # The pass really exercised both failure kinds, so the checks below mean something.
-        assert got["failures"] == ["decode_error", "not_found"]
+        assert got["failures"] == ["not_found", "undecodable"]
         assert got["samples"] == 10 and got["batches"] == 6
         assert _value(text, "gpufeed_samples_total", transport=transport) == got["samples"]
         assert _value(text, "gpufeed_batches_total", transport=transport) == got["batches"]
@@ -156,9 +155,11 @@ def test_counters_equal_what_the_client_received(data_root):
             > received["inline"]["bytes"]
             > _value(text, "gpufeed_message_bytes_total", transport="shm") > 0)
     assert _value(text, "gpufeed_samples_total", transport="cuda_ipc") == 0
-    assert _value(text, "gpufeed_sample_failures_total", reason="decode_error") == 2
-    assert _value(text, "gpufeed_sample_failures_total", reason="not_found") == 2
-    assert _value(text, "gpufeed_sample_failures_total", reason="read_error") == 0
+    # Counted by the category the client received, one series per category from the start.
+    assert _value(text, "gpufeed_sample_failures_total", category="undecodable") == 2
+    assert _value(text, "gpufeed_sample_failures_total", category="not_found") == 2
+    for category in FAILURE_CATEGORIES.keys() - {"undecodable", "not_found"}:
+        assert _value(text, "gpufeed_sample_failures_total", category=category) == 0
 
     stage_count = {s: _value(text, "gpufeed_stage_duration_seconds_count", stage=s) for s in STAGES}
     assert stage_count == {"read": 24, "decode": 22, "batch": 12, "device_copy": 0, "send": 12}
@@ -281,11 +282,14 @@ def test_trainer_wait_arrives_from_the_real_client(data_root, transport):
     assert _value(text, "gpufeed_trainer_wait_seconds_sum", transport=transport) > 0
 
 
-def test_failure_reasons_are_categories_not_messages():
-    assert failure_reason("file not found") == "not_found"
-    assert failure_reason("permission denied: [Errno 13] /data/x.jpg") == "permission_denied"
-    assert failure_reason("read error: Input/output error") == "read_error"
-    assert failure_reason("not a decodable image: whatever FFmpeg said") == "decode_error"
+def test_failures_are_counted_by_their_wire_category():
+    metrics = ServerMetrics()
+    metrics.failed([feed_pb2.FAILURE_TOO_LARGE, feed_pb2.FAILURE_TOO_LARGE,
+                    feed_pb2.FAILURE_TIMEOUT])
+    text = generate_latest(metrics.registry).decode()
+    assert _value(text, "gpufeed_sample_failures_total", category="too_large") == 2
+    assert _value(text, "gpufeed_sample_failures_total", category="timeout") == 1
+    assert _value(text, "gpufeed_sample_failures_total", category="permission_denied") == 0
 
 
 def test_prometheus_scrapes_the_live_server(data_root, tmp_path):

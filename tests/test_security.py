@@ -244,14 +244,15 @@ def test_a_second_open_ends_the_stream(server, image_names):
 
 
 def test_an_unexpected_sample_error_logs_its_traceback_once(caplog):
-    from gpufeed.server.serving.stream import log_sample_bug
+    from gpufeed.server.serving.failures import sample_failure
 
-    with caplog.at_level("DEBUG", logger="gpufeed.server.serving.stream"):
+    with caplog.at_level("DEBUG", logger="gpufeed.server.serving.failures"):
         for index in range(3):
             try:
                 raise OverflowError(f"bug {index}")
             except OverflowError as e:
-                log_sample_bug(e, index, f"/data/{index}.jpg")
+                category, _ = sample_failure(e, index, f"/data/{index}.jpg")
+                assert category == feed_pb2.FAILURE_INTERNAL
     tracebacks = [r for r in caplog.records if r.exc_info]
     assert len(tracebacks) == 1 and "sample 0" in tracebacks[0].getMessage()
     assert [r.levelname for r in caplog.records] == ["ERROR", "DEBUG", "DEBUG"]

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..storage.paths import DEFAULT_MAX_FILE_BYTES
-from .decode import DecodeError
+from .decode import DecodeError, OverLimit
 
 __all__ = ["ArraySpec", "array_layout", "check", "read_arrays"]
 
@@ -148,7 +148,7 @@ def _check_zip_members(file, max_bytes: int, npy_members: bool) -> None:
         members = archive.infolist()
         total = sum(info.file_size for info in members)
         if total > max_bytes:
-            raise DecodeError(f"its members declare {total} bytes uncompressed, over the limit "
+            raise OverLimit(f"its members declare {total} bytes uncompressed, over the limit "
                               f"of {max_bytes} (gpufeed-server --max-file-bytes)")
         for info in members if npy_members else ():
             with archive.open(info) as member:

@@ -56,7 +56,7 @@ from .containers import HEAD_BYTES, IMAGE_FORMATS, image_format, open_container
 from .headers import declared_size
 from .transform import Box, CropRule
 
-__all__ = ["DecodeError", "ImageDecoder", "Placed", "RgbScaler", "decode_frame"]
+__all__ = ["DecodeError", "ImageDecoder", "OverLimit", "Placed", "RgbScaler", "decode_frame"]
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
 # swscale's planar GBR: plane 0 is green, 1 blue, 2 red; these are their rows in RGB order.
@@ -67,6 +67,11 @@ _SCALER = Interpolation.BILINEAR
 
 class DecodeError(Exception):
     """A sample that could not be decoded; the message says why, briefly."""
+
+
+class OverLimit(DecodeError):
+    """A sample refused for what it declares (pixels, uncompressed bytes): over a server
+    limit, not broken; its failure's category says so (serving/failures.py)."""
 
 
 class Placed(NamedTuple):
@@ -206,8 +211,8 @@ def _placement(box: Box, src_h: int, src_w: int, out_h: int, out_w: int
 def _check_pixels(width: int, height: int, max_pixels: int, what: str = "image declares"
                   ) -> None:
     if width * height > max_pixels:
-        raise DecodeError(f"{what} {width}x{height} pixels, over the limit of "
-                          f"{max_pixels} (gpufeed-server --max-pixels)")
+        raise OverLimit(f"{what} {width}x{height} pixels, over the limit of "
+                        f"{max_pixels} (gpufeed-server --max-pixels)")
 
 
 def decode_frame(data: bytes, max_pixels: int) -> av.VideoFrame:

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import OUTPUT_DTYPES, carrier_dtype
 
 __all__ = ["Box", "CropRule", "OutputTransform", "SampleDraws", "random_resized_crop_box",
            "sample_draws", "sample_rng"]
 
-_DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "float16": torch.float16,
-           "bfloat16": torch.bfloat16}
+_DTYPES = {name: getattr(torch, name) for name in OUTPUT_DTYPES}
 
 
 # (top, left, height, width) of the source window that becomes the output, in source pixels.
@@ -195,8 +195,7 @@ class OutputTransform:
 
     @property
     def image_dtype(self) -> np.dtype:
-        return np.dtype(str(self.dtype).removeprefix("torch.")) if self.dtype != torch.bfloat16 \
-            else np.dtype("uint16")  # numpy has no bfloat16: same size, reinterpreted
+        return carrier_dtype(str(self.dtype).removeprefix("torch."))  # bfloat16: uint16 bits
 
     @property
     def image_shape(self) -> tuple[int, ...]:

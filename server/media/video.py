@@ -47,7 +47,7 @@ import numpy as np
 from av.error import FFmpegError
 
 from .containers import HEAD_BYTES, VIDEO_FORMATS, open_container, video_format
-from .decode import DEFAULT_MAX_PIXELS, DecodeError, RgbScaler
+from .decode import DEFAULT_MAX_PIXELS, DecodeError, OverLimit, RgbScaler
 from .transform import SampleDraws
 
 __all__ = ["VideoDecoder", "centred_start", "random_start"]
@@ -129,7 +129,7 @@ class VideoDecoder:
     def _check_size(self, codec) -> None:
         """Refuse a stream declaring frames over ``max_pixels``, before one is decoded."""
         if codec.width * codec.height > self._max_pixels:
-            raise DecodeError(f"video declares {codec.width}x{codec.height} frames, over the "
+            raise OverLimit(f"video declares {codec.width}x{codec.height} frames, over the "
                               f"limit of {self._max_pixels} pixels (gpufeed-server --max-pixels)")
 
     def _configure(self, codec) -> None:

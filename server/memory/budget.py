@@ -26,8 +26,6 @@ import ctypes
 import os
 import threading
 
-import grpc
-
 __all__ = ["MemoryBudget", "MemoryExhausted", "default_memory_bytes", "return_free_memory"]
 
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max",  # cgroup v2
@@ -36,8 +34,6 @@ _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max",  # cgroup v2
 
 class MemoryExhausted(Exception):
     """A reservation that does not fit; the message says what it needed and what is left."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def default_memory_bytes() -> int:

@@ -3,7 +3,7 @@
 Nothing is shared with the client: each batch's arrays travel in its Batch
 message, taken from the slot's rows as views (``publish``), which the
 response serializer (serving/wire.py) writes onto the wire with one copy.
-Each array starts at a multiple of ``INLINE_ALIGN`` bytes of the message's
+Each array starts at a multiple of ``INLINE_ALIGN`` bytes (gpufeed.v1.vocabulary) of the message's
 data, so the client can view every dtype in place.
 """
 
@@ -14,15 +14,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import INLINE_ALIGN
 
 from .slots import FilledBatch, batch_fields, batch_pass_on_host
 
 if TYPE_CHECKING:  # a type only: memory/ imports nothing of serving/
     from ..serving.request import StreamPlan
 
-__all__ = ["INLINE_ALIGN", "HeapSlots"]
-
-INLINE_ALIGN = 64
+__all__ = ["HeapSlots"]
 
 
 class HeapSlots:

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpufeed.v1.vocabulary import SLOT_ALIGN
+
 __all__ = ["BatchLayout", "SlotRing", "TensorPlace"]
 
-_ALIGN = 4096
 
 
 def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
 
 
 @dataclass(frozen=True)

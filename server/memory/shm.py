@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import SHM_DIR
 
 from .slots import FilledBatch, batch_fields, batch_pass_on_host
 
 if TYPE_CHECKING:  # a type only: memory/ imports nothing of serving/
     from ..serving.request import StreamPlan
 
-__all__ = ["SHM_DIR", "SharedSegment", "ShmNamespace", "ShmSlots"]
+__all__ = ["SharedSegment", "ShmNamespace", "ShmSlots"]
 
-SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^gpufeed-([0-9a-f]{16})-")
 _log = logging.getLogger(__name__)
 

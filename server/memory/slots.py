@@ -43,7 +43,7 @@ class FilledBatch(Protocol):
     seq: int
     slot: int
     rows: int
-    failures: list[tuple[int, str]]
+    failures: list[tuple[int, int, str]]  # (index, FailureCategory, reason)
 
     def sent(self, name: str) -> np.ndarray:
         """The array ``name`` as it is sent (its filled rows, or a packed field's entries)."""
@@ -93,8 +93,8 @@ def batch_fields(batch: FilledBatch, layout: BatchLayout) -> feed_pb2.Batch:
     """A batch's Batch fields: seq, slot, failures and, when it has rows, each
     tensor's name, dtype, shape and offset in the slot."""
     fields = feed_pb2.Batch(seq=batch.seq, slot=batch.slot)
-    for index, reason in batch.failures:
-        fields.failures.add(index=index, reason=reason)
+    for index, category, reason in batch.failures:
+        fields.failures.add(index=index, category=category, reason=reason)
     if batch.rows:
         for place in layout.tensors:
             fields.tensors.add(name=place.name, dtype=place.wire_dtype or place.dtype.name,

@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 
-import grpc
 import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import BFLOAT16
 
 from ..media.arrays import read_arrays
 from ..media.decode import DecodeError
@@ -47,25 +47,18 @@ from ..memory.budget import default_memory_bytes, return_free_memory
 from ..memory.ring import BatchLayout
 from ..storage.paths import DataRoots, FileTooLarge, LocatedPaths, OutsideDataRoots
 from ..storage.shards import TAKEN_SUFFIXES, ShardRows, ShardSet, locate_shards, names_shards
+from .errors import Forbidden, InvalidRequest, LimitExceeded, NotFound, Unsupported
 from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_labels, list_directory
 from .names import SampleNames, TooManyNames
 from .order import Batches, shard_order, split_batches
 from .wire import COMPRESSORS
 
-__all__ = ["Limits", "RequestError", "StreamPlan", "plan_stream"]
+__all__ = ["Limits", "StreamPlan", "plan_stream"]
 
 _MAX_SIDE = 8192
 _LIST_CHUNK = 1 << 20  # bytes of a list file decoded at a time
 # A plan this large gives the allocator's free memory back to the system when it goes.
 _TRIM_AFTER_BYTES = 8 << 20
-
-
-class RequestError(Exception):
-    """A refused request: the gRPC status code and the message to send."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -128,8 +121,8 @@ class StreamPlan:
         return self.paths.nbytes + self.batches.order.nbytes + labels
 
 
-def _invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def _invalid(message: str) -> InvalidRequest:
+    return InvalidRequest(message)
 
 
 def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
@@ -180,9 +173,8 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
     if layout.slot_bytes > limits.max_batch_bytes and fields is not None:
         _check_field_bytes(req.batch_size, fields, layout.slot_bytes, limits.max_batch_bytes)
     if layout.slot_bytes > limits.max_batch_bytes:
-        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"batch_size x output: a batch takes {layout.slot_bytes} bytes, over "
-                           f"the server's --max-batch-bytes of {limits.max_batch_bytes}")
+        raise LimitExceeded(f"batch_size x output: a batch takes {layout.slot_bytes} bytes, over "
+                            f"the server's --max-batch-bytes of {limits.max_batch_bytes}")
 
     transport = req.transport
     if transport == feed_pb2.TRANSPORT_AUTO:
@@ -227,9 +219,8 @@ def _compression(name: str, transport: int) -> tuple[str, Callable | None]:
     try:
         return name, COMPRESSORS[name]()
     except ImportError as e:
-        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"compression: {name} needs {e.name} on the server "
-                           f"(pip install 'gpufeed[compression]')") from None
+        raise Unsupported(f"compression: {name} needs {e.name} on the server "
+                          f"(pip install 'gpufeed[compression]')") from None
 
 
 def _served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:
@@ -345,11 +336,10 @@ def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarra
         with os.fdopen(roots.open_checked(path), "rb") as file:
             first = read_arrays(file, posixpath.splitext(path)[1], roots.max_file_bytes)
     except OutsideDataRoots as e:
-        raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"samples[0]: {e}") from None
+        raise Forbidden(f"samples[0]: {e}") from None
     except FileNotFoundError:
-        raise RequestError(grpc.StatusCode.NOT_FOUND,
-                           f"samples[0]: {name!r} not found; the first array file sets the "
-                           f"batch layout") from None
+        raise NotFound(f"samples[0]: {name!r} not found; the first array file sets the "
+                       f"batch layout") from None
     except (OSError, DecodeError) as e:
         raise _invalid(f"samples[0]: {name!r}: {e}") from None
     for key, values in first.items():
@@ -381,7 +371,7 @@ def _image_layout(batch_size: int, transform: OutputTransform, own: list[tuple],
                   fields: SampleFields | None = None) -> BatchLayout:
     """image (as asked), index, label, padded, the fields; uint8 pixels and flips as
     working space."""
-    wire = "bfloat16" if transform.dtype == torch.bfloat16 else ""
+    wire = BFLOAT16 if transform.dtype == torch.bfloat16 else ""
     arrays = [("image", transform.image_dtype, transform.image_shape, wire), *own]
     private = ["flip"]
     offsets: tuple[str, ...] = ()
@@ -421,10 +411,9 @@ def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: np.ndarra
         try:
             return folder_labels(samples, list(req.classes), roots)
         except OutsideDataRoots as e:
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"label_source: {e}") from None
+            raise Forbidden(f"label_source: {e}") from None
         except FolderError as e:
-            code = grpc.StatusCode.NOT_FOUND if e.not_found else grpc.StatusCode.INVALID_ARGUMENT
-            raise RequestError(code, str(e)) from None
+            raise (NotFound if e.not_found else InvalidRequest)(str(e)) from None
     raise _invalid(f"label_source: unknown value {source}")
 
 
@@ -451,14 +440,12 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits
             return _pack([req.list_file], limits), None, ""
         data = roots.read(path, limits.max_list_bytes, "--max-list-bytes")
     except OutsideDataRoots as e:
-        raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"list_file: {e}") from None
+        raise Forbidden(f"list_file: {e}") from None
     except (FileNotFoundError, IsADirectoryError):
-        raise RequestError(grpc.StatusCode.NOT_FOUND,
-                           f"list_file: {req.list_file!r}: no such list file or directory "
-                           f"under the data roots") from None
+        raise NotFound(f"list_file: {req.list_file!r}: no such list file or directory "
+                       f"under the data roots") from None
     except FileTooLarge as e:
-        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"list_file: {req.list_file!r} is a {e}") from None
+        raise LimitExceeded(f"list_file: {req.list_file!r} is a {e}") from None
     except OSError as e:
         raise _invalid(f"list_file: cannot read {req.list_file!r}: {e}") from None
     lines = _list_lines(data)
@@ -474,9 +461,8 @@ def _pack(names: Iterable[str], limits: Limits, list_file: str = "") -> SampleNa
     try:
         return SampleNames.pack(names, limit=limits.max_samples)
     except TooManyNames:
-        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"samples: more than {limits.max_samples} samples, over the "
-                           f"server's --max-samples {limits.max_samples}") from None
+        raise LimitExceeded(f"samples: more than {limits.max_samples} samples, over the "
+                            f"server's --max-samples {limits.max_samples}") from None
     except UnicodeDecodeError as e:
         raise _invalid(f"list_file: cannot read {list_file!r}: {e}") from None
 
@@ -517,7 +503,7 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
         # types: as above
         paths = locate_shards(names, prefix, roots)  # pyright: ignore[reportArgumentType]
     except OutsideDataRoots as e:
-        raise RequestError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+        raise Forbidden(f"samples: {e}") from None
     except ValueError as e:
         raise _invalid(str(e)) from None
     if req.labels or req.label_source != feed_pb2.LABELS_FROM_REQUEST:
@@ -525,13 +511,11 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
                        "give neither labels nor label_source")
     shards = ShardSet.index(roots, paths)
     if shards.num_samples > limits.max_samples:
-        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"samples: the shards hold {shards.num_samples} samples, over the "
-                           f"server's --max-samples {limits.max_samples}")
+        raise LimitExceeded(f"samples: the shards hold {shards.num_samples} samples, over the "
+                            f"server's --max-samples {limits.max_samples}")
     if len(shards.unreadable()) == len(paths):
         path, why = shards.unreadable()[0]
-        raise RequestError(grpc.StatusCode.NOT_FOUND,
-                           f"samples: no tar shard could be read (first: {path!r}: {why})")
+        raise NotFound(f"samples: no tar shard could be read (first: {path!r}: {why})")
     return shards
 
 
@@ -560,9 +544,9 @@ def _sample_files(names: SampleNames, prefix: str, roots: DataRoots, max_samples
                 continue
             listed = list_directory(path, name, roots, max_samples - len(found_paths))
         except OutsideDataRoots as e:
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"samples[{i}]: {e}") from None
+            raise Forbidden(f"samples[{i}]: {e}") from None
         except TooManyFiles as e:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"samples[{i}]: {e}") from None
+            raise LimitExceeded(f"samples[{i}]: {e}") from None
         except FolderError as e:
             raise _invalid(f"samples[{i}]: {e}") from None
         if not listed:
@@ -573,9 +557,8 @@ def _sample_files(names: SampleNames, prefix: str, roots: DataRoots, max_samples
         found_names += [posixpath.join(name, os.path.relpath(p, path)) for p in listed]
         listings.append(Listing(start, len(found_paths), path))
     if len(found_paths) > max_samples:  # the files named beside the listings
-        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"samples: {len(found_paths)} samples is over the server's "
-                           f"--max-samples {max_samples}")
+        raise LimitExceeded(f"samples: {len(found_paths)} samples is over the server's "
+                            f"--max-samples {max_samples}")
     return SampleFiles(SampleNames.pack(found_names), SampleNames.pack(found_paths), listings)
 
 
@@ -592,5 +575,5 @@ def _located(names: SampleNames, prefix: str, roots: DataRoots) -> LocatedPaths:
         try:
             roots.locate(prefix + name)
         except OutsideDataRoots as e:
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"samples[{i}]: {e}") from None
+            raise Forbidden(f"samples[{i}]: {e}") from None
     return LocatedPaths(names, prefix, roots)

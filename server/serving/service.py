@@ -25,18 +25,34 @@ import grpc
 
 import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
+from gpufeed.v1.vocabulary import transport_name
 
 from ..media.samples import Decoders
 from ..memory.budget import MemoryBudget, MemoryExhausted
 from ..memory.memories import SlotMemories
 from ..memory.shm import ShmNamespace
 from ..memory.slots import SlotMemory
-from ..metrics import ServerMetrics, transport_name
+from ..metrics import ServerMetrics
 from ..storage.roots import Storage
+from .errors import (
+    BadClientMessage,
+    Draining,
+    FailureBudgetSpent,
+    Forbidden,
+    InvalidRequest,
+    LeaseExpired,
+    LimitExceeded,
+    NotFound,
+    Refused,
+    ServerFault,
+    StreamEnded,
+    UnpaddableBatch,
+    Unsupported,
+)
 from .pool import DecodePool
-from .request import Limits, RequestError, StreamPlan, plan_stream
+from .request import Limits, StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
-from .stream import UNREAD, Batch, Stream, StreamCancelled
+from .stream import UNREAD, Batch, Stream
 from .watchdog import Watchdog, end_call
 from .wire import InlineBatch
 
@@ -46,6 +62,27 @@ _log = logging.getLogger(__name__)
 # A client whose stream's memory is shared maps or opens it as soon as it reads
 # the header; one that has not after this many seconds never will.
 _ATTACH_GRACE = 10.0
+# The status code a client sees for each way a request is refused or a stream ends
+# (errors.py): chosen here only. ClientGone has none: nobody is left to tell.
+_STATUS = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    Forbidden: grpc.StatusCode.PERMISSION_DENIED,
+    LimitExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    MemoryExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unsupported: grpc.StatusCode.FAILED_PRECONDITION,
+    LeaseExpired: grpc.StatusCode.UNAVAILABLE,
+    Draining: grpc.StatusCode.UNAVAILABLE,
+    FailureBudgetSpent: grpc.StatusCode.DATA_LOSS,
+    UnpaddableBatch: grpc.StatusCode.DATA_LOSS,
+    BadClientMessage: grpc.StatusCode.INVALID_ARGUMENT,
+    ServerFault: grpc.StatusCode.INTERNAL,
+}
+
+
+def _status(error: Exception) -> grpc.StatusCode | None:
+    """The status code for a refusal or a stream's end; None for ClientGone."""
+    return next((code for kind, code in _STATUS.items() if isinstance(error, kind)), None)
 
 
 class FeedServicer(feed_pb2_grpc.FeedServicer):
@@ -113,8 +150,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                     f"and {plan.nbytes} for its sample list)")
                 job = self._jobs.join(first.open, plan) if first.open.job else None
                 memory = self._memories.open(plan)
-            except (RequestError, MemoryExhausted) as e:
-                refusal = e.code, str(e)
+            except (Refused, MemoryExhausted) as e:
+                refusal = _status(e), str(e)
             else:
                 refusal = None
             if refusal is not None:  # refused outside `except`: see _serve
@@ -140,8 +177,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             self._draining = True
             if not self._lock.wait_for(lambda: self._open_streams == 0, timeout=grace):
                 for stream in self._streams:
-                    stream.cancel(grpc.StatusCode.UNAVAILABLE,
-                                  "the server is shutting down; resume from your position")
+                    stream.cancel(Draining("the server is shutting down; resume from your "
+                                           "position"))
                 self._lock.wait_for(lambda: self._open_streams == 0, timeout=5.0)
 
     def _enter(self) -> tuple[grpc.StatusCode, str] | None:
@@ -202,9 +239,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                     # types: an InlineBatch stands for the ServerMessage it serializes to
                     self._metrics.sent(plan.transport, message, time.perf_counter() - sending)  # pyright: ignore[reportArgumentType]
             log.status = "OK"
-        except StreamCancelled as e:
-            ending = e.code, e.message
-            log.status = (f"{e.code.name}: {e.message}" if e.code is not None
+        except StreamEnded as e:
+            ending = _status(e), str(e)
+            log.status = (f"{ending[0].name}: {e}" if ending[0] is not None
                           else "CANCELLED: the client went away")
         except Exception as e:  # a bug: gRPC ends the call with UNKNOWN
             log.status = f"UNKNOWN: {type(e).__name__}: {e}"
@@ -230,10 +267,10 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
 
 def _end_stalled(stream: Stream, context, lease_timeout: float) -> None:
     """End a stream whose client has not taken a message for ``lease_timeout`` seconds."""
-    message = (f"lease timeout: the trainer read nothing for {lease_timeout:g} s "
-               f"(server's --lease-timeout); resume from your position")
-    stream.cancel(grpc.StatusCode.UNAVAILABLE, message)
-    end_call(context, grpc.StatusCode.UNAVAILABLE, message)
+    ending = LeaseExpired(f"lease timeout: the trainer read nothing for {lease_timeout:g} s "
+                          f"(server's --lease-timeout); resume from your position")
+    stream.cancel(ending)
+    end_call(context, _status(ending), str(ending))
 
 
 def _read_client(request_iterator, stream: Stream) -> None:
@@ -247,16 +284,14 @@ def _read_client(request_iterator, stream: Stream) -> None:
                 try:
                     stream.release(message.release.seqs)
                 except KeyError as e:
-                    stream.cancel(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"release: batch {e.args[0]} is not one this stream sent and "
-                                  f"has not had back")
+                    stream.cancel(BadClientMessage(f"release: batch {e.args[0]} is not one this "
+                                                   f"stream sent and has not had back"))
                     return
             elif kind == "attached":
                 stream.attach()
             elif kind == "open":
-                stream.cancel(grpc.StatusCode.INVALID_ARGUMENT,
-                              "open: a stream takes one `open` message, its first; this one "
-                              "sent another")
+                stream.cancel(BadClientMessage("open: a stream takes one `open` message, its "
+                                               "first; this one sent another"))
                 return
     except grpc.RpcError as e:  # the call ended; the handler cleans up
         # gRPC keeps this error in the call's state, which the traceback's frames refer
@@ -265,7 +300,7 @@ def _read_client(request_iterator, stream: Stream) -> None:
         e.__traceback__ = None
     except Exception as e:
         _log.exception("client reader failed")
-        stream.cancel(grpc.StatusCode.INTERNAL, f"server error reading the client's messages: {e}")
+        stream.cancel(ServerFault(f"server error reading the client's messages: {e}"))
 
 
 class _StreamLog:

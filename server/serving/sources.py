@@ -35,11 +35,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Protocol
 
-import grpc
-
 from gpufeed.v1 import feed_pb2
 
-from .request import RequestError, StreamPlan
+from .errors import InvalidRequest
+from .request import StreamPlan
 
 __all__ = ["BatchSource", "JobRegistry", "OwnBatches", "SharedJob"]
 
@@ -173,8 +172,7 @@ class JobRegistry:
                 job = self._jobs[key] = SharedJob(request.job, len(plan.batches), fingerprint)
                 self._forget_oldest_idle()
             elif job.fingerprint != fingerprint:
-                raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                raise InvalidRequest(
                     f"job {request.job!r} epoch {request.epoch} was opened with a different "
                     f"request; every consumer of a job must ask for the same samples, batch "
                     f"size, output, shuffle and seed")

@@ -19,27 +19,32 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
 
-import grpc
 import numpy as np
 
-from ..media.decode import DecodeError
-from ..media.pipeline import TransformFailed
 from ..media.samples import Decoders
 from ..memory.ring import SlotRing
 from ..memory.slots import SlotMemory
 from ..metrics import ServerMetrics
 from ..storage.roots import Storage
+from .errors import (
+    ClientGone,
+    FailureBudgetSpent,
+    LeaseExpired,
+    ServerFault,
+    StreamEnded,
+    UnpaddableBatch,
+)
+from .failures import sample_failure
 from .order import samples_at
 from .pool import DecodePool
 from .request import StreamPlan
 from .sources import BatchSource, OwnBatches
 
-__all__ = ["UNREAD", "Batch", "Stream", "StreamCancelled", "StreamState"]
+__all__ = ["UNREAD", "Batch", "Stream", "StreamState"]
 
 _log = logging.getLogger(__name__)
 
@@ -52,34 +57,6 @@ UNREAD = "the trainer has read no batch of this stream"
 # Samples tried for a padding row before a split over ranks gives up on an all-failed
 # batch (Batch._refill): enough for a run of broken files, bounded for a broken data set.
 _REFILL_TRIES = 32
-
-_logged_bugs: set[str] = set()  # exception types whose traceback the log has shown
-
-
-def log_sample_bug(error: Exception, index: int, path: str) -> None:
-    """Log a sample's unexpected error with its traceback the first time its type is
-    seen in this process, and at debug level after that: a bug that every sample
-    hits would otherwise write a traceback per sample. The client gets each
-    failure's reason anyway, and the failure metric counts them."""
-    kind = type(error).__name__
-    if kind in _logged_bugs:
-        _log.debug("sample %d of %s: %s: %s", index, path, kind, error)
-        return
-    _logged_bugs.add(kind)
-    _log.error("sample %d of %s", index, path, exc_info=error)
-
-
-class StreamCancelled(Exception):
-    """The stream ended before its last batch.
-
-    ``code`` and ``message`` are the status to send the client; ``code`` is None
-    when there is nobody to tell (the client went away).
-    """
-
-    def __init__(self, code: grpc.StatusCode | None = None, message: str = ""):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class StreamState(enum.Enum):
@@ -115,7 +92,8 @@ class Batch:
         indices, self.padded = samples_at(stream.plan.batches[number], len(stream.plan.paths))  # pyright: ignore[reportArgumentType]
         self.indices = indices
         self.arrays = stream.plan.layout.views(stream.ring.slot(slot))
-        self.failures: list[tuple[int, str]] = []
+        # (row, category, detail) while decoding; (index, category, reason) once finished.
+        self.failures: list[tuple[int, int, str]] = []
         self.rows = len(indices)
         # Variable-length fields, packed: entries sent of each (fields.py), by name.
         self.lengths: dict[str, int] = {}
@@ -132,20 +110,11 @@ class Batch:
             index = int(self.indices[row])
             try:
                 self._read(index, row, decoders)
-            except FileNotFoundError:
-                failure = "file not found"
-            except PermissionError as e:
-                failure = f"permission denied: {e}"
-            except OSError as e:
-                failure = f"read error: {os.strerror(e.errno) if e.errno else e}"
-            except (DecodeError, TransformFailed) as e:
-                failure = str(e)
-            except Exception as e:  # a bug: fail the sample, keep the stream, say so in the log
-                log_sample_bug(e, index, stream.plan.paths[index])
-                failure = f"internal error: {type(e).__name__}: {e}"
+            except Exception as e:  # the sample fails, the stream goes on (failures.py)
+                failure = sample_failure(e, index, stream.plan.paths[index])
         with stream.cond:
             if failure is not None:
-                self.failures.append((row, failure))
+                self.failures.append((row, *failure))
             self._pending -= 1
             last = self._pending == 0
         if last:  # every row is written: this thread alone finishes the batch, unlocked
@@ -153,8 +122,8 @@ class Batch:
                 self._finish(decoders)
             except Exception as e:  # a bug, or out of memory: end the stream, say why
                 _log.exception("finishing batch %d", self.seq)
-                stream.cancel(grpc.StatusCode.INTERNAL, f"server error finishing batch "
-                              f"{self.seq}: {type(e).__name__}: {e}")
+                stream.cancel(ServerFault(f"server error finishing batch {self.seq}: "
+                                          f"{type(e).__name__}: {e}"))
             with stream.cond:
                 self.done = True
                 stream.cond.notify_all()
@@ -212,11 +181,10 @@ class Batch:
             except Exception:  # reported in its own batch
                 if tried == _REFILL_TRIES:
                     break
-        self._stream.cancel(
-            grpc.StatusCode.DATA_LOSS,
+        self._stream.cancel(UnpaddableBatch(
             f"batch {self.seq}: every sample failed, and so did the {tried} samples after it "
             f"in the list; with world_size > 1 every rank must yield the batch, and there is "
-            f"no sample to pad it with")
+            f"no sample to pad it with"))
         return self.indices[:0]
 
     def _finish(self, decoders: Decoders) -> None:
@@ -224,15 +192,16 @@ class Batch:
         fill index/label/padded, run the batch pass on the host."""
         plan = self._stream.plan
         ok = np.ones(len(self.indices), dtype=bool)
-        for row, _ in self.failures:
+        for row, _, _ in self.failures:
             ok[row] = False
-        self._stream.metrics.failed([why for _, why in self.failures])
+        self._stream.metrics.failed([category for _, category, _ in self.failures])
         # Each reason names its file: a trainer that named a directory has no list to
         # look the index up in.
         roots = self._stream.roots
         self.failures = sorted(
-            (index, f"{roots.shown(plan.paths[index])}: {why}")
-            for index, why in ((int(self.indices[row]), why) for row, why in self.failures))
+            (index, category, f"{roots.shown(plan.paths[index])}: {why}")
+            for index, category, why in ((int(self.indices[row]), category, why)
+                                         for row, category, why in self.failures))
         kept, padded = self.indices[ok], self.padded[ok]
         rows = len(kept)
         if 0 < rows < len(self.indices):
@@ -279,7 +248,7 @@ class Stream:
         self.state = StreamState.SERVING
         # Apart from the state: a client may attach after the stream was cancelled.
         self._attached = False
-        self._ending = StreamCancelled()
+        self._ending: StreamEnded = ClientGone()
         self._last_release = time.monotonic()
         self._read_any = False  # a Release came: the client reads the stream's batches
         self._pool = pool
@@ -345,22 +314,22 @@ class Stream:
             self.state = StreamState.GONE
             self.cond.notify_all()
 
-    def cancel(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
-        """End the stream; ``published()`` raises StreamCancelled(code, message)."""
+    def cancel(self, ending: StreamEnded | None = None) -> None:
+        """End the stream; ``published()`` raises ``ending`` (default: the client is gone)."""
         with self.cond:
             if self.state is StreamState.SERVING:
                 self.state = StreamState.CANCELLED
-                self._ending = StreamCancelled(code, message)
+                self._ending = ending if ending is not None else ClientGone()
             self.cond.notify_all()
 
     def published(self) -> Iterator[Batch]:
         """Finished batches by seq.
 
-        Raises StreamCancelled when the stream is cancelled, when more samples
-        failed than the request's budget, or when the trainer has held every
-        slot for longer than the lease timeout.
+        Raises what ended the stream when it is cancelled, FailureBudgetSpent when
+        more samples failed than the request's budget, LeaseExpired when the
+        trainer has held every slot for longer than the lease timeout.
         """
-        failed: list[tuple[int, str]] = []
+        failed: list[tuple[int, int, str]] = []
         while True:
             with self.cond:
                 batch = self._wait_done(self._next_out)
@@ -371,9 +340,8 @@ class Stream:
             if len(failed) > self.plan.max_failures:
                 # Not sent: a shared job's other consumers will send it (within their budgets).
                 self.source.give_back([batch.number])
-                examples = "; ".join(f"sample {i}: {why}" for i, why in failed[:5])
-                raise StreamCancelled(
-                    grpc.StatusCode.DATA_LOSS,
+                examples = "; ".join(f"sample {i}: {why}" for i, _, why in failed[:5])
+                raise FailureBudgetSpent(
                     f"{len(failed)} samples failed, over this stream's failure budget of "
                     f"{self.plan.max_failures} (max_failures / max_failure_fraction): {examples}")
             self.source.sent(batch.number)
@@ -384,7 +352,7 @@ class Stream:
         while True:
             if self.cancelled:  # a new exception: the stored one would keep this frame (and
                 # the stream, its plan) in a cycle through its traceback, until a collection
-                raise StreamCancelled(self._ending.code, self._ending.message)
+                raise self._ending.again()
             batch = self._batches.get(seq)
             if batch is not None and batch.done:
                 return batch
@@ -395,8 +363,7 @@ class Stream:
                 idle = time.monotonic() - self._last_release
                 if idle >= self.plan.lease_timeout:
                     what = "the trainer released no batch" if self._read_any else UNREAD
-                    raise StreamCancelled(
-                        grpc.StatusCode.UNAVAILABLE,
+                    raise LeaseExpired(
                         f"lease timeout: {what} for {self.plan.lease_timeout:g} s "
                         f"(server's --lease-timeout); resume from batch {seq}")
                 timeout = self.plan.lease_timeout - idle

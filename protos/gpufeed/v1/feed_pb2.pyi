@@ -30,6 +30,18 @@ class Layout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LAYOUT_NCHW: _ClassVar[Layout]
     LAYOUT_NHWC: _ClassVar[Layout]
+
+class FailureCategory(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_UNSPECIFIED: _ClassVar[FailureCategory]
+    FAILURE_NOT_FOUND: _ClassVar[FailureCategory]
+    FAILURE_PERMISSION_DENIED: _ClassVar[FailureCategory]
+    FAILURE_UNREADABLE: _ClassVar[FailureCategory]
+    FAILURE_UNDECODABLE: _ClassVar[FailureCategory]
+    FAILURE_TOO_LARGE: _ClassVar[FailureCategory]
+    FAILURE_TIMEOUT: _ClassVar[FailureCategory]
+    FAILURE_INTERNAL: _ClassVar[FailureCategory]
+    FAILURE_TRANSFORM: _ClassVar[FailureCategory]
 TRANSPORT_AUTO: Transport
 TRANSPORT_INLINE: Transport
 TRANSPORT_SHM: Transport
@@ -42,6 +54,15 @@ RESIZE_SHORTER_CENTER_CROP: Resize
 RESIZE_RANDOM_RESIZED_CROP: Resize
 LAYOUT_NCHW: Layout
 LAYOUT_NHWC: Layout
+FAILURE_UNSPECIFIED: FailureCategory
+FAILURE_NOT_FOUND: FailureCategory
+FAILURE_PERMISSION_DENIED: FailureCategory
+FAILURE_UNREADABLE: FailureCategory
+FAILURE_UNDECODABLE: FailureCategory
+FAILURE_TOO_LARGE: FailureCategory
+FAILURE_TIMEOUT: FailureCategory
+FAILURE_INTERNAL: FailureCategory
+FAILURE_TRANSFORM: FailureCategory
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -282,12 +303,14 @@ class TensorMeta(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class SampleFailure(_message.Message):
-    __slots__ = ("index", "reason")
+    __slots__ = ("index", "reason", "category")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
     index: int
     reason: str
-    def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    category: FailureCategory
+    def __init__(self, index: _Optional[int] = ..., reason: _Optional[str] = ..., category: _Optional[_Union[FailureCategory, str]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("seq", "slot", "tensors", "data", "failures", "compression")
