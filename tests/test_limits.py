@@ -102,6 +102,32 @@ def test_only_regular_files_within_the_size_limit_are_read(feed, root):
         assert "a character device, not a regular file" in reasons[3]
 
 
+def test_each_failure_arrives_with_its_category(feed, root, tmp_path):
+    """The category is set by the server where the sample fails and read by the trainer
+    from ``loader.failures``, beside the (index, reason) pair; nobody parses reasons."""
+    (root / "cat").mkdir()
+    (root / "cat" / "corrupt.jpg").write_bytes(b"\xff\xd8\xff not really a jpeg")
+    with open(root / "cat" / "huge.jpg", "wb") as f:  # sparse: over --max-file-bytes
+        f.truncate(_FILE + 1)
+    rng = np.random.default_rng(3)
+    (root / "cat" / "wide.jpg").write_bytes(encode_jpeg(synthetic_photo(rng, 150, 200)))
+    os.mkfifo(root / "cat" / "pipe.jpg")
+    (tmp_path / "secret.jpg").write_bytes((root / "img00.jpg").read_bytes())
+    (root / "cat" / "link.jpg").symlink_to(tmp_path / "secret.jpg")
+    expected = {"cat/missing.jpg": "not_found", "cat/corrupt.jpg": "undecodable",
+                "cat/huge.jpg": "too_large", "cat/wide.jpg": "too_large",  # --max-pixels
+                "cat/pipe.jpg": "unreadable", "cat/link.jpg": "permission_denied"}
+    names = ["img00.jpg", *expected]
+    loader = feed.loader(files=names, batch_size=4, size=(16, 16),
+                         failure_budget=len(expected))
+    assert _indices(loader) == [0]
+    got = {names[f.index]: f.category for f in loader.failures}
+    assert got == expected
+    for failure in loader.failures:  # still the (index, reason) pair it always was
+        index, reason = failure
+        assert reason.startswith(names[index] + ": ") and failure.reason == reason
+
+
 def test_list_file_is_bounded(feed, root):
     (root / "long.flist").write_text("\n".join(_images(40) * 20) + "\n")  # 8000 bytes
     with pytest.raises(FeedError) as info:
