@@ -118,6 +118,8 @@ def test_truncated_shard_and_bad_member_fail_their_samples_and_the_pass_goes_on(
     # missing.tar: one failed placeholder (index 3); corrupt.tar: 4, 5, 6, its 5 corrupt.
     assert "truncated shard" in failures[2]
     assert "shard not found" in failures[3]
+    categories = {f.index: f.category for f in loader.failures}
+    assert categories[2] == "undecodable" and categories[3] == "not_found"
     assert 5 in failures
     assert seen == [0, 1, 4, 6]
 

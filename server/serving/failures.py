@@ -29,8 +29,8 @@ _logged_bugs: set[str] = set()  # exception types whose traceback the log has sh
 
 def sample_failure(error: Exception, index: int, path: str) -> tuple[int, str]:
     """(category, detail) of the error that failed sample ``index`` (read from ``path``)."""
-    if isinstance(error, FileNotFoundError):
-        return feed_pb2.FAILURE_NOT_FOUND, "file not found"
+    if isinstance(error, FileNotFoundError):  # an error without errno says what is missing
+        return feed_pb2.FAILURE_NOT_FOUND, "file not found" if error.errno else str(error)
     if isinstance(error, PermissionError):
         return feed_pb2.FAILURE_PERMISSION_DENIED, f"permission denied: {error}"
     if isinstance(error, (FileTooLarge, OverLimit)):

@@ -163,6 +163,8 @@ class ShardIndex:
     label_size: np.ndarray
     failure: np.ndarray  # per sample: _OK, _TRUNCATED, _NO_IMAGE
     others: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # What a sample of a shard with a problem fails with (its failure's category).
+    problem_error: type[Exception] = DecodeError
 
     @property
     def samples(self) -> int:
@@ -215,9 +217,10 @@ def _suffix(name: str) -> str:
     return posixpath.basename(name).split(".", 1)[-1].lower() if "." in name else ""
 
 
-def _unreadable(why: str) -> ShardIndex:
+def _unreadable(why: str, error: type[Exception] = DecodeError) -> ShardIndex:
     empty = np.zeros(0, np.int64)
-    return ShardIndex(why, empty, empty, empty, empty, np.zeros(0, np.int8))
+    return ShardIndex(why, empty, empty, empty, empty, np.zeros(0, np.int8),
+                      problem_error=error)
 
 
 class _IndexCache:
@@ -254,9 +257,9 @@ def index_shard(storage, path: str) -> ShardIndex:
             return cached
         file, size = storage.open_sequential(path)
     except FileNotFoundError:
-        return _unreadable("shard not found")
+        return _unreadable("shard not found", FileNotFoundError)
     except OSError as e:
-        return _unreadable(f"shard unreadable: {e}")
+        return _unreadable(f"shard unreadable: {e}", OSError)
     with file:
         members, truncated = [], False
         seekable = getattr(file, "seekable", lambda: False)()
@@ -271,7 +274,7 @@ def index_shard(storage, path: str) -> ShardIndex:
             truncated = True
         except (OSError, EOFError) as e:
             if not members:
-                return _unreadable(f"shard unreadable: {e}")
+                return _unreadable(f"shard unreadable: {e}", OSError)
             truncated = True
     index = _index_members(members, size, truncated)
     _CACHE.put((path, version), index)
@@ -434,7 +437,7 @@ class ShardRows(RowReader):
         crop, flip = self.transform.choose(index)
         shard, shard_index, n = self.shards.locate(index)
         if shard_index.problem:
-            raise DecodeError(shard_index.problem)
+            raise shard_index.problem_error(shard_index.problem)
         failure = shard_index.failure[n]
         if failure == _TRUNCATED:
             raise DecodeError(f"truncated shard (sample {n} runs past its end)")
