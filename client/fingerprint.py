@@ -25,8 +25,8 @@ _GROUPS = {"files": ("files", "list_file", "prefix"),
            "labels": ("labels", "label_source", "fields"),
            "transforms": ("output", "clip")}
 # Position and delivery: not part of what a pass holds.
-_DELIVERY = {"epoch", "start_batch", "transport", "prefetch", "max_failures",
-             "max_failure_fraction", "job", "batch_stride", "batch_offset"}
+_DELIVERY = {"epoch", "start_batch", "pass_start_batch", "transport", "prefetch",
+             "max_failures", "max_failure_fraction", "job", "batch_stride", "batch_offset"}
 
 
 def request_fingerprint(request: feed_pb2.StreamRequest) -> dict[str, int | bool | str]:

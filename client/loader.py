@@ -69,6 +69,9 @@ class _Part:
         self.index = index
         self.server = index  # the server serving it now; moves on when that one goes away
         self.consumed = 0  # batches of this part already yielded this epoch
+        # A position in the whole pass (load_state_dict) not yet opened: the server
+        # says where it falls in this part (the header's start_batch).
+        self.pass_start: int | None = None
         self.total: int | None = None  # batches of this part in a pass (None: a shared job's)
 
 
@@ -158,7 +161,8 @@ class Loader:
     def state_dict(self) -> dict:
         """{"epoch", "samples_consumed", "fingerprint"}: where the pass is, in samples of
         its order (a finished pass is the next epoch's start), and what request it is of."""
-        consumed = sum(part.consumed for part in self._parts)
+        pending = [part.pass_start for part in self._parts if part.pass_start is not None]
+        consumed = pending[0] if pending else sum(part.consumed for part in self._parts)
         epoch = self._request.epoch
         total = self._pass_total()
         if total is not None and consumed >= total:
@@ -177,21 +181,21 @@ class Loader:
         if samples < 0 or samples % self.batch_size:
             raise ValueError(f"load_state_dict: samples_consumed must be a multiple of batch_size "
                              f"{self.batch_size}, got {samples}")
-        batches, servers = samples // self.batch_size, len(self._parts)
+        batches = samples // self.batch_size
         total = self._pass_total()
         if total is not None and batches >= total:  # a finished pass: the next epoch
             self._begin(int(state["epoch"]) + 1)
             return
         self._begin(int(state["epoch"]))
-        for part in self._parts:  # batch k of the pass is part k % servers's
-            part.consumed = max(0, (batches - part.index + servers - 1) // servers)
+        for part in self._parts:  # which of its batches that is, each part's server says
+            part.pass_start = batches
 
     def _begin(self, epoch: int) -> None:
         """Make the next pass ``epoch`` from its start."""
         self._close_opened()
         self._request.epoch = epoch
         for part in self._parts:
-            part.consumed = 0
+            part.consumed, part.pass_start = 0, None
         self._chosen = True
 
     def _close_opened(self) -> None:
@@ -204,6 +208,9 @@ class Loader:
             self._begin(self._request.epoch + 1)
         self._chosen = False
         self.failures = []
+        for part in self._parts:  # resumed: each part's server says where it is in its part
+            if part.pass_start is not None and part.index not in self._opened:
+                self._opened[part.index] = self._open_retrying(part)
         streams = {part.index: self._part_batches(part) for part in self._parts}
         try:
             while streams:
@@ -263,11 +270,19 @@ class Loader:
             server.info()
         elif outage.since is not None:  # a server that accepts TCP but never answers
             server.wait_ready(outage.since + self._reconnect_timeout - time.monotonic())
-        if len(self._parts) > 1:
+        if len(self._parts) > 1:  # part k of n: the server deals the pass's batches
             request.batch_stride, request.batch_offset = len(self._parts), part.index
-        request.start_batch = part.consumed
+        if part.pass_start is None:
+            request.start_batch = part.consumed
+        elif len(self._parts) == 1:  # the part is the pass (and older servers know start_batch)
+            request.start_batch = part.pass_start
+        else:  # where the pass's position falls in part k of n is the server's to say
+            request.pass_start_batch = part.pass_start
         stream = open_stream(server, request, self._copy, auto)
         header = stream.header
+        if part.pass_start is not None:
+            part.consumed = header.start_batch if request.pass_start_batch else request.start_batch
+            part.pass_start = None
         self.classes = list(header.classes)
         self.transport = transport_name(header.transport)
         part.total = None if request.job else part.consumed + header.num_batches

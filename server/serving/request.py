@@ -191,14 +191,13 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                        f"each rank reads whole shards")
     order = (shards.order if shards else partial(shard_order, len(names)))(
         rank=req.rank, world_size=world_size, shuffle=req.shuffle, seed=req.seed, epoch=req.epoch)
-    batches = _served_batches(req, split_batches(order, req.batch_size, req.drop_last))
-    if not 0 <= req.start_batch <= len(batches):
-        raise _invalid(f"start_batch must be in 0..{len(batches)} (batches in this stream), "
-                       f"got {req.start_batch}")
+    whole = split_batches(order, req.batch_size, req.drop_last)
+    batches = _served_batches(req, whole)
     # types: paths: LocatedPaths, a shard set's, or a list: all index by sample
     plan = StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,  # pyright: ignore[reportArgumentType]
                       batches=batches,
-                      start_batch=req.start_batch, layout=layout, transform=transform,
+                      start_batch=_start_batch(req, len(whole), len(batches)), layout=layout,
+                      transform=transform,
                       transport=transport,
                       prefetch=prefetch,
                       max_failures=_failure_budget(req, batches.samples_from(0), limits),
@@ -235,6 +234,25 @@ def _served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:
         raise _invalid("batch_stride: a shared job serves the whole pass; give one or the other")
     # types: Batches' stub types a slice as an array
     return batches[req.batch_offset::stride]  # pyright: ignore[reportReturnType]
+
+
+def _start_batch(req: feed_pb2.StreamRequest, in_pass: int, served: int) -> int:
+    """The stream's first batch: ``start_batch``, or where ``pass_start_batch`` (a
+    position in the whole pass) falls in the part this stream serves."""
+    if req.pass_start_batch:
+        if req.start_batch:
+            raise _invalid("pass_start_batch: give start_batch or pass_start_batch, not both")
+        if not 0 <= req.pass_start_batch <= in_pass:
+            raise _invalid(f"pass_start_batch must be in 0..{in_pass} (batches in the pass), "
+                           f"got {req.pass_start_batch}")
+        # The part's batches are the pass's batch_offset, batch_offset + stride, ...:
+        # it starts after those of them that come before the position.
+        stride = req.batch_stride or 1
+        return min(max(0, -(-(req.pass_start_batch - req.batch_offset) // stride)), served)
+    if not 0 <= req.start_batch <= served:
+        raise _invalid(f"start_batch must be in 0..{served} (batches in this stream), "
+                       f"got {req.start_batch}")
+    return req.start_batch
 
 
 def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limits) -> int:

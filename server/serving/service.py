@@ -223,6 +223,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 num_samples=0 if job else plan.num_samples,
                 num_batches=0 if job else len(plan.batches) - plan.start_batch,
                 classes=plan.classes,
+                start_batch=0 if job else plan.start_batch,
             )
             header.MergeFrom(memory.header())  # where the memory is: its own fields
             yield feed_pb2.ServerMessage(header=header)

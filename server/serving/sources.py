@@ -197,6 +197,7 @@ def _fingerprint(request: feed_pb2.StreamRequest) -> str:
     """What every consumer of a job must agree on: the request less its per-consumer fields."""
     shared = feed_pb2.StreamRequest()
     shared.CopyFrom(request)
-    for name in ("transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction"):
+    for name in ("transport", "prefetch", "start_batch", "pass_start_batch", "max_failures",
+                 "max_failure_fraction"):
         shared.ClearField(name)
     return hashlib.sha256(shared.SerializeToString(deterministic=True)).hexdigest()

@@ -105,7 +105,7 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[StreamRequest, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job", "label_source", "clip", "classes", "fields", "sample_transforms", "batch_stride", "batch_offset", "compression")
+    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job", "label_source", "clip", "classes", "fields", "sample_transforms", "batch_stride", "batch_offset", "pass_start_batch", "compression")
     FILES_FIELD_NUMBER: _ClassVar[int]
     LIST_FILE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class StreamRequest(_message.Message):
     SAMPLE_TRANSFORMS_FIELD_NUMBER: _ClassVar[int]
     BATCH_STRIDE_FIELD_NUMBER: _ClassVar[int]
     BATCH_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PASS_START_BATCH_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     files: FileList
     list_file: str
@@ -157,8 +158,9 @@ class StreamRequest(_message.Message):
     sample_transforms: _containers.RepeatedCompositeFieldContainer[SampleTransform]
     batch_stride: int
     batch_offset: int
+    pass_start_batch: int
     compression: str
-    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ..., label_source: _Optional[_Union[LabelSource, str]] = ..., clip: _Optional[_Union[ClipSpec, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., sample_transforms: _Optional[_Iterable[_Union[SampleTransform, _Mapping]]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
+    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ..., label_source: _Optional[_Union[LabelSource, str]] = ..., clip: _Optional[_Union[ClipSpec, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., sample_transforms: _Optional[_Iterable[_Union[SampleTransform, _Mapping]]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., pass_start_batch: _Optional[int] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class FieldSpec(_message.Message):
     __slots__ = ("name", "suffix", "tree_from", "tree_to", "max_items")
@@ -249,7 +251,7 @@ class ServerMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("transport", "shm_name", "num_slots", "slot_bytes", "num_samples", "num_batches", "cuda_ipc", "classes")
+    __slots__ = ("transport", "shm_name", "num_slots", "slot_bytes", "num_samples", "num_batches", "cuda_ipc", "classes", "start_batch")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +260,7 @@ class StreamHeader(_message.Message):
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
+    START_BATCH_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     shm_name: str
     num_slots: int
@@ -266,7 +269,8 @@ class StreamHeader(_message.Message):
     num_batches: int
     cuda_ipc: CudaIpc
     classes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., shm_name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_batches: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ...) -> None: ...
+    start_batch: int
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., shm_name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_batches: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., start_batch: _Optional[int] = ...) -> None: ...
 
 class CudaIpc(_message.Message):
     __slots__ = ("gpu_uuid", "storage_handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "slot_events")
