@@ -65,9 +65,9 @@ _MIXING = 0x6D6978  # batch_rng's stream: apart from any per-sample generator's
 class _Part:
     """One server's share of the pass (every P-th batch), and how far it has got."""
 
-    def __init__(self, index: int):
-        self.index = index
-        self.server = index  # the server serving it now; moves on when that one goes away
+    def __init__(self, number: int):
+        self.number = number  # part k of n: the pass's batches k, k + n, ... (the server's rule)
+        self.server = number  # the server serving it now; moves on when that one goes away
         self.consumed = 0  # batches of this part already yielded this epoch
         # A position in the whole pass (load_state_dict) not yet opened: the server
         # says where it falls in this part (the header's start_batch).
@@ -115,7 +115,7 @@ class Loader:
         self._position: int | None = None  # the last yielded batch's place in its pass
         try:
             for part in self._parts:
-                self._opened[part.index] = self._open_retrying(part)
+                self._opened[part.number] = self._open_retrying(part)
         except BaseException:
             self._close_opened()
             raise
@@ -209,17 +209,17 @@ class Loader:
         self._chosen = False
         self.failures = []
         for part in self._parts:  # resumed: each part's server says where it is in its part
-            if part.pass_start is not None and part.index not in self._opened:
-                self._opened[part.index] = self._open_retrying(part)
-        streams = {part.index: self._part_batches(part) for part in self._parts}
+            if part.pass_start is not None and part.number not in self._opened:
+                self._opened[part.number] = self._open_retrying(part)
+        streams = {part.number: self._part_batches(part) for part in self._parts}
         try:
             while streams:
-                # In turn: the part that has yielded least goes next (ties: lowest index),
+                # In turn: the part that has yielded least goes next (ties: lowest number),
                 # which is the pass's order, also when a resumed pass continues.
-                part = min((self._parts[i] for i in streams), key=lambda p: (p.consumed, p.index))
-                batch = next(streams[part.index], None)
+                part = min((self._parts[i] for i in streams), key=lambda p: (p.consumed, p.number))
+                batch = next(streams[part.number], None)
                 if batch is None:
-                    del streams[part.index]
+                    del streams[part.number]
                 else:
                     self._position = sum(p.consumed for p in self._parts) - 1
                     yield batch
@@ -231,7 +231,7 @@ class Loader:
         """The part's batches to the end of the epoch, across reconnects and failovers."""
         outage = _Outage()
         while True:
-            stream = self._opened.pop(part.index, None)
+            stream = self._opened.pop(part.number, None)
             try:
                 stream = stream or self._open(part, outage)
                 for seq, failures, tensors in stream.batches():
@@ -271,7 +271,7 @@ class Loader:
         elif outage.since is not None:  # a server that accepts TCP but never answers
             server.wait_ready(outage.since + self._reconnect_timeout - time.monotonic())
         if len(self._parts) > 1:  # part k of n: the server deals the pass's batches
-            request.batch_stride, request.batch_offset = len(self._parts), part.index
+            request.batch_stride, request.batch_offset = len(self._parts), part.number
         if part.pass_start is None:
             request.start_batch = part.consumed
         elif len(self._parts) == 1:  # the part is the pass (and older servers know start_batch)

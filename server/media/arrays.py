@@ -149,7 +149,7 @@ def _check_zip_members(file, max_bytes: int, npy_members: bool) -> None:
         total = sum(info.file_size for info in members)
         if total > max_bytes:
             raise OverLimit(f"its members declare {total} bytes uncompressed, over the limit "
-                              f"of {max_bytes} (gpufeed-server --max-file-bytes)")
+                            f"of {max_bytes} (gpufeed-server --max-file-bytes)")
         for info in members if npy_members else ():
             with archive.open(info) as member:
                 declared = _npy_bytes(member)

@@ -177,7 +177,7 @@ class ImageDecoder:
                 return placed
             _, height, width = out.shape
             scaled_h, scaled_w, top, left = (
-                _placement(box, frame.height, frame.width, height, width) if box is not None
+                _scaled_window(box, frame.height, frame.width, height, width) if box is not None
                 else (height, width, 0, 0))
             self._check_size(scaled_w, scaled_h, "scaling to")  # a crop of an extreme shape
             rgb = self._rgb.scale(frame, scaled_w, scaled_h)
@@ -196,7 +196,7 @@ class ImageDecoder:
         return frames[0]
 
 
-def _placement(box: Box, src_h: int, src_w: int, out_h: int, out_w: int
+def _scaled_window(box: Box, src_h: int, src_w: int, out_h: int, out_w: int
                ) -> tuple[int, int, int, int]:
     """(scaled height, scaled width, top, left): scale the whole source so that ``box``
     comes out at out_h x out_w, and where that window starts (the path without the

@@ -130,7 +130,7 @@ class VideoDecoder:
         """Refuse a stream declaring frames over ``max_pixels``, before one is decoded."""
         if codec.width * codec.height > self._max_pixels:
             raise OverLimit(f"video declares {codec.width}x{codec.height} frames, over the "
-                              f"limit of {self._max_pixels} pixels (gpufeed-server --max-pixels)")
+                            f"limit of {self._max_pixels} pixels (gpufeed-server --max-pixels)")
 
     def _configure(self, codec) -> None:
         """Set the codec's threading before it opens (see the module docstring)."""

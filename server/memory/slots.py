@@ -38,7 +38,7 @@ __all__ = ["FilledBatch", "SlotMemory", "batch_fields", "batch_pass_on_host"]
 
 
 class FilledBatch(Protocol):
-    """What a memory reads of a batch whose rows are written (serving's ``Batch``)."""
+    """What a memory reads of a batch whose rows are written (serving's ``SlotBatch``)."""
 
     seq: int
     slot: int

@@ -52,7 +52,7 @@ from .errors import (
 from .pool import DecodePool
 from .request import Limits, StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
-from .stream import UNREAD, Batch, Stream
+from .stream import UNREAD, SlotBatch, Stream
 from .watchdog import Watchdog, end_call
 from .wire import InlineBatch
 
@@ -319,7 +319,7 @@ class _StreamLog:
                   "?" if job else len(plan.batches) - plan.start_batch, plan.start_batch,
                   f" job={job.name!r}" if job else "")
 
-    def sent(self, batch: Batch) -> None:
+    def sent(self, batch: SlotBatch) -> None:
         self.samples += batch.rows
         self.batches += 1 if batch.rows else 0
         self.failures += len(batch.failures)

@@ -81,10 +81,10 @@ class OwnBatches(BatchSource):
         self._next += 1
         return self._next - 1
 
-    def sent(self, index: int) -> None:
+    def sent(self, number: int) -> None:
         pass
 
-    def give_back(self, indices: list[int]) -> None:
+    def give_back(self, numbers: list[int]) -> None:
         pass
 
     def finished(self) -> bool:
@@ -114,18 +114,18 @@ class SharedJob(BatchSource):
                 return self._next - 1
             return None
 
-    def sent(self, index: int) -> None:
+    def sent(self, number: int) -> None:
         with self._lock:
             self._sent += 1
             done = self._sent == self.num_batches
         if done:
             self._wake_all()
 
-    def give_back(self, indices: list[int]) -> None:
-        if not indices:
+    def give_back(self, numbers: list[int]) -> None:
+        if not numbers:
             return
         with self._lock:
-            self._returned.extendleft(sorted(indices, reverse=True))
+            self._returned.extendleft(sorted(numbers, reverse=True))
         self._wake_all()
 
     def finished(self) -> bool:

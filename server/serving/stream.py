@@ -44,7 +44,7 @@ from .pool import DecodePool
 from .request import StreamPlan
 from .sources import BatchSource, OwnBatches
 
-__all__ = ["UNREAD", "Batch", "Stream", "StreamState"]
+__all__ = ["UNREAD", "SlotBatch", "Stream", "StreamState"]
 
 _log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ _log = logging.getLogger(__name__)
 UNREAD = "the trainer has read no batch of this stream"
 
 # Samples tried for a padding row before a split over ranks gives up on an all-failed
-# batch (Batch._refill): enough for a run of broken files, bounded for a broken data set.
+# batch (SlotBatch._refill): enough for a run of broken files, bounded for a broken data set.
 _REFILL_TRIES = 32
 
 
@@ -76,11 +76,13 @@ class StreamState(enum.Enum):
     GONE = "gone"
 
 
-class Batch:
-    """A batch being filled in one slot; ``rows`` is its final sample count.
+class SlotBatch:
+    """A batch being filled in one slot; ``rows`` is its final sample count. (The wire's
+    ``feed_pb2.Batch`` is the message that describes a finished one to the client.)
 
-    ``seq`` counts the stream's batches; ``number`` is the batch's place in the
-    pass (the same for a private pass, not for a shared job).
+    ``seq`` counts the stream's batches; ``number`` is the batch's position in the
+    pass (the same for a private pass, not for a shared job); ``indices`` are its
+    samples' (an index is always a sample's position in the request's list).
     """
 
     def __init__(self, stream: Stream, seq: int, slot: int, number: int):
@@ -252,7 +254,7 @@ class Stream:
         self._last_release = time.monotonic()
         self._read_any = False  # a Release came: the client reads the stream's batches
         self._pool = pool
-        self._batches: dict[int, Batch] = {}
+        self._batches: dict[int, SlotBatch] = {}
         self._next_seq = plan.start_batch  # the seq the next batch started will get
         self._next_out = plan.start_batch  # the seq published next
 
@@ -322,7 +324,7 @@ class Stream:
                 self._ending = ending if ending is not None else ClientGone()
             self.cond.notify_all()
 
-    def published(self) -> Iterator[Batch]:
+    def published(self) -> Iterator[SlotBatch]:
         """Finished batches by seq.
 
         Raises what ended the stream when it is cancelled, FailureBudgetSpent when
@@ -347,7 +349,7 @@ class Stream:
             self.source.sent(batch.number)
             yield batch
 
-    def _wait_done(self, seq: int) -> Batch | None:
+    def _wait_done(self, seq: int) -> SlotBatch | None:
         """Batch ``seq`` once decoded; None once the source has no batch left for it."""
         while True:
             if self.cancelled:  # a new exception: the stored one would keep this frame (and
@@ -397,7 +399,7 @@ class Stream:
             if number is None:
                 return
             # types: a slot is free: _start_ready checked free_slots
-            batch = Batch(self, self._next_seq, self.ring.lease(self._next_seq), number)  # pyright: ignore[reportArgumentType]
+            batch = SlotBatch(self, self._next_seq, self.ring.lease(self._next_seq), number)  # pyright: ignore[reportArgumentType]
             self._batches[self._next_seq] = batch
             self._next_seq += 1
             self.plan.reader.read_ahead(self.roots, batch.indices, self.plan.paths)  # I/O stage
