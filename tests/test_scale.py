@@ -98,6 +98,23 @@ def test_the_server_says_where_a_pass_position_falls_in_a_part(server, image_nam
     assert rows.tolist() == [28, 29, 30, 31]  # the pass's batch 7, unshuffled
 
 
+@pytest.mark.parametrize("position, words", [
+    ({"pass_start_batch": 5, "start_batch": 1}, "not both"),
+    ({"pass_start_batch": 21}, "pass_start_batch must be in 0..20"),
+])
+def test_a_bad_pass_position_is_refused_naming_it(server, image_names, position, words):
+    request = feed_pb2.StreamRequest(
+        files=feed_pb2.FileList(paths=image_names[:80]), batch_size=4,
+        output=feed_pb2.OutputSpec(height=8, width=8), batch_stride=3, batch_offset=1,
+        **position)
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            next(feed_pb2_grpc.FeedStub(channel).Stream(
+                iter([feed_pb2.ClientMessage(open=request)]), timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("pass_start_batch") and words in info.value.details()
+
+
 def _consume(feed, files, job, received, delay=0.0):
     loader = feed.loader(files=files, batch_size=4, size=(8, 8), job=job, prefetch=1)
     for batch in loader:
