@@ -230,6 +230,8 @@ def test_a_bad_sidecar_fails_its_sample_only(feed, data_dir, tmp_path):
     assert "meta: not JSON" in failures[3], failures[3]
     assert "mask: 7x5, but the image is" in failures[4], failures[4]
     assert "outside the data roots" in failures[5], failures[5]
+    categories = {f.index: f.category for f in loader.failures}
+    assert categories[1] == "not_found" and categories[2] == "undecodable"
 
 
 @pytest.mark.parametrize("fields, at", [

@@ -201,9 +201,9 @@ class SampleFields:
                               f"itself")
         try:
             return roots.read(located)
-        except FileNotFoundError:
-            raise DecodeError(f"{sidecar.field}: sidecar {roots.shown(located)} not found"
-                              ) from None
+        except FileNotFoundError:  # no errno: the message is the failure's (not_found) detail
+            raise FileNotFoundError(f"{sidecar.field}: sidecar {roots.shown(located)} not found"
+                                    ) from None
         except OSError as e:
             raise DecodeError(f"{sidecar.field}: sidecar {roots.shown(located)}: {e}") from None
 
