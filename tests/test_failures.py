@@ -19,8 +19,12 @@ from gpufeed.server.serving.failures import sample_failure
 from gpufeed.server.serving.service import _status
 from gpufeed.server.storage.paths import FileTooLarge, OutsideDataRoots
 from gpufeed.v1 import feed_pb2
-from gpufeed.v1.vocabulary import (FAILURE_CATEGORIES, TRANSPORTS, carrier_dtype,
-                                   failure_category_name)
+from gpufeed.v1.vocabulary import (
+    FAILURE_CATEGORIES,
+    TRANSPORTS,
+    carrier_dtype,
+    failure_category_name,
+)
 
 
 @pytest.mark.parametrize("error, category", [

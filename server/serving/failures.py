@@ -35,9 +35,9 @@ def sample_failure(error: Exception, index: int, path: str) -> tuple[int, str]:
         return feed_pb2.FAILURE_PERMISSION_DENIED, f"permission denied: {error}"
     if isinstance(error, (FileTooLarge, OverLimit)):
         return feed_pb2.FAILURE_TOO_LARGE, f"too large: {error}"
-    if isinstance(error, TimeoutError) or getattr(error, "errno", None) == errno.ETIMEDOUT:
-        return feed_pb2.FAILURE_TIMEOUT, f"read timed out: {_strerror(error)}"
     if isinstance(error, OSError):
+        if isinstance(error, TimeoutError) or error.errno == errno.ETIMEDOUT:
+            return feed_pb2.FAILURE_TIMEOUT, f"read timed out: {_strerror(error)}"
         return feed_pb2.FAILURE_UNREADABLE, f"read error: {_strerror(error)}"
     if isinstance(error, DecodeError):
         return feed_pb2.FAILURE_UNDECODABLE, str(error)

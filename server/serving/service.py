@@ -151,7 +151,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 job = self._jobs.join(first.open, plan) if first.open.job else None
                 memory = self._memories.open(plan)
             except (Refused, MemoryExhausted) as e:
-                refusal = _status(e), str(e)
+                refusal = _status(e) or grpc.StatusCode.INTERNAL, str(e)  # INTERNAL: not mapped
             else:
                 refusal = None
             if refusal is not None:  # refused outside `except`: see _serve
@@ -271,7 +271,7 @@ def _end_stalled(stream: Stream, context, lease_timeout: float) -> None:
     ending = LeaseExpired(f"lease timeout: the trainer read nothing for {lease_timeout:g} s "
                           f"(server's --lease-timeout); resume from your position")
     stream.cancel(ending)
-    end_call(context, _status(ending), str(ending))
+    end_call(context, _STATUS[LeaseExpired], str(ending))
 
 
 def _read_client(request_iterator, stream: Stream) -> None:
