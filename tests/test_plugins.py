@@ -198,8 +198,9 @@ def test_a_raising_transform_fails_its_sample_only(feed, image_names):
     assert expected and len(expected) < N
     assert {index for index, _ in loader.failures} == expected
     assert set(images) == set(range(N)) - expected
-    for _, reason in loader.failures:
-        assert "transform 'fail_sometimes' failed: RuntimeError: boom" in reason
+    for failure in loader.failures:
+        assert "transform 'fail_sometimes' failed: RuntimeError: boom" in failure.reason
+        assert failure.category == "transform"
 
 
 @pytest.mark.parametrize("transforms, words", [
