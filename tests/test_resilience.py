@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -117,7 +118,9 @@ def test_a_loader_not_iterated_past_the_lease_timeout_is_quiet_and_whole(
     assert [b["index"].tolist() for b in got] == [b["index"].tolist() for b in want]
     assert all(torch.equal(g["image"], w["image"]) for g, w in zip(got, want))
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert any("resuming at batch 2" in r.getMessage() for r in caplog.records)  # said, quietly
+    # Said, quietly. Which batch it resumes at depends on how many reached the client
+    # before the lease ran out (a timing matter): any is right, as the pass is whole.
+    assert any(re.search(r"resuming at batch \d+", r.getMessage()) for r in caplog.records)
     ended = [line for line in server.log if "stream end" in line and "lease timeout" in line]
     assert ended and all(" INFO " in line for line in ended), ended
 
