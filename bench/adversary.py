@@ -141,8 +141,17 @@ class Adversary:
 
     def _bad_files(self) -> None:
         names = [n for n in self.bad_files if n.endswith((".jpg", ".png"))]
-        # Every pass skips every file: counted here, not logged each time.
-        logging.getLogger("gpufeed.client.loader").setLevel(logging.ERROR)
+        # Every pass skips every file: counted here, not logged each time. The level
+        # is put back after, as the soak may run inside another program (the tests).
+        client_log = logging.getLogger("gpufeed.client.loader")
+        level = client_log.level
+        client_log.setLevel(logging.ERROR)
+        try:
+            self._fetch_bad_files(names)
+        finally:
+            client_log.setLevel(level)
+
+    def _fetch_bad_files(self, names: list[str]) -> None:
         with FeedClient(self.address) as feed:
             while not self._stop.is_set():
                 loader = feed.loader(files=names, batch_size=len(names), size=(64, 64),
