@@ -56,7 +56,7 @@ from .containers import HEAD_BYTES, IMAGE_FORMATS, image_format, open_container
 from .headers import declared_size
 from .transform import Box, CropRule
 
-__all__ = ["DecodeError", "ImageDecoder", "OverLimit", "Placed", "RgbScaler", "decode_frame"]
+__all__ = ["DecodeError", "ImageDecoder", "OverLimit", "SourceWindow", "RgbScaler", "decode_frame"]
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
 # swscale's planar GBR: plane 0 is green, 1 blue, 2 red; these are their rows in RGB order.
@@ -74,8 +74,9 @@ class OverLimit(DecodeError):
     limit, not broken; its failure's category says so (serving/failures.py)."""
 
 
-class Placed(NamedTuple):
-    """Where a decoded image's row came from: the source's size and the box resized."""
+class SourceWindow(NamedTuple):
+    """The window of a source image a row was made from: the source's size and the box
+    resized (what a sample's other fields follow)."""
 
     src_h: int
     src_w: int
@@ -144,7 +145,7 @@ class ImageDecoder:
         self._max_pixels = max_pixels
 
     def decode_into(self, data: bytes, out: np.ndarray, crop: CropRule | None = None,
-                    flip: bool = False) -> Placed:
+                    flip: bool = False) -> SourceWindow:
         """Decode ``data`` and write its window ``crop(source height, source width)``,
         resized (bilinear), into ``out`` of shape [3, H, W]; without ``crop``, the whole
         image (squashed to H x W). Mirrored left to right if ``flip``: every path
@@ -163,7 +164,7 @@ class ImageDecoder:
             box = crop(src_h, src_w) if crop else (0, 0, src_h, src_w)
             try:
                 jpeg.decode_crop(data, out, box, flip)
-                return Placed(src_h, src_w, box)
+                return SourceWindow(src_h, src_w, box)
             except jpeg.Unsupported:
                 pass  # CMYK / YCCK: FFmpeg converts those
             except jpeg.JpegError as e:
@@ -171,10 +172,11 @@ class ImageDecoder:
         try:
             frame = self._decode_jpeg(data) if is_jpeg else _decode_other(data, self._check_size)
             box = crop(frame.height, frame.width) if crop else None
-            placed = Placed(frame.height, frame.width, box or (0, 0, frame.height, frame.width))
+            whole = (0, 0, frame.height, frame.width)
+            window = SourceWindow(frame.height, frame.width, box or whole)
             if box is not None and jpeg.AVAILABLE:
                 jpeg.resize_rgb(self._rgb.packed(frame), out, box, flip)
-                return placed
+                return window
             _, height, width = out.shape
             scaled_h, scaled_w, top, left = (
                 _scaled_window(box, frame.height, frame.width, height, width) if box is not None
@@ -184,7 +186,7 @@ class ImageDecoder:
         except FFmpegError as e:
             raise DecodeError(f"not a decodable image: {e}") from None
         self._rgb.copy(rgb, out, top, left, flip)
-        return placed
+        return window
 
     def _check_size(self, width: int, height: int, what: str = "image declares") -> None:
         _check_pixels(width, height, self._max_pixels, what)

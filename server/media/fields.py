@@ -47,7 +47,7 @@ import numpy as np
 
 from gpufeed.v1 import feed_pb2
 
-from .decode import DecodeError, Placed, decode_frame
+from .decode import DecodeError, SourceWindow, decode_frame
 
 __all__ = ["BOXES", "FIELD_NAMES", "MASK", "META", "FieldError", "Sample", "SampleFields",
            "Sidecar", "nearest_window", "row_sample"]
@@ -170,25 +170,25 @@ class SampleFields:
             offsets.append(f"{name}_offsets")
         return arrays, tuple(private), tuple(offsets)
 
-    def read(self, roots, path: str, image: np.ndarray, placed: Placed, flip: bool,
+    def read(self, roots, path: str, image: np.ndarray, window: SourceWindow, flip: bool,
              max_pixels: int) -> Sample:
         """The sample, its ``image`` row written, with its fields from its sidecar files
         after the crop and flip; a mask over ``max_pixels`` (--max-pixels) is refused
         before it is decoded."""
         return self.convert({name: self._sidecar(roots, path, sidecar)
-                             for name, sidecar in self.sidecars.items()}, image, placed, flip,
+                             for name, sidecar in self.sidecars.items()}, image, window, flip,
                             max_pixels)
 
-    def convert(self, files: dict[str, bytes], image: np.ndarray, placed: Placed, flip: bool,
+    def convert(self, files: dict[str, bytes], image: np.ndarray, window: SourceWindow, flip: bool,
                 max_pixels: int) -> Sample:
         """The sample with its fields from their files' bytes (sidecars, or a shard's
         members)."""
         sample: Sample = {"image": image}
         for name, data in files.items():
             if name == MASK:
-                sample[MASK] = self._mask(data, placed, flip, max_pixels)
+                sample[MASK] = self._mask(data, window, flip, max_pixels)
             elif name == BOXES:
-                sample[BOXES] = self._boxes(data, placed, flip)
+                sample[BOXES] = self._boxes(data, window, flip)
             else:
                 sample[META] = self._meta(data)
         return sample
@@ -237,27 +237,27 @@ class SampleFields:
             lengths[f"{name}_offsets"] = rows + 1
         return lengths
 
-    def _mask(self, data: bytes, placed: Placed, flip: bool, max_pixels: int) -> np.ndarray:
+    def _mask(self, data: bytes, window: SourceWindow, flip: bool, max_pixels: int) -> np.ndarray:
         frame = decode_frame(data, max_pixels)
         if frame.format.name not in _MASK_FORMATS:
             raise DecodeError(f"mask: class ids need an 8-bit grayscale or palette image, got "
                               f"{frame.format.name}")
-        if (frame.height, frame.width) != (placed.src_h, placed.src_w):
+        if (frame.height, frame.width) != (window.src_h, window.src_w):
             raise DecodeError(f"mask: {frame.width}x{frame.height}, but the image is "
-                              f"{placed.src_w}x{placed.src_h}")
+                              f"{window.src_w}x{window.src_h}")
         plane = frame.planes[0]
         # A plane has the buffer protocol; PyAV's stub does not say so.
         ids = np.frombuffer(plane, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
             frame.height, plane.line_size)
-        return nearest_window(ids[:, :frame.width], placed.box, self.height, self.width, flip)
+        return nearest_window(ids[:, :frame.width], window.box, self.height, self.width, flip)
 
-    def _boxes(self, data: bytes, placed: Placed, flip: bool) -> np.ndarray:
+    def _boxes(self, data: bytes, window: SourceWindow, flip: bool) -> np.ndarray:
         boxes = _parse_boxes(data, self.sidecars[BOXES].suffix.lower().endswith(".json"))
         limit = self.max_items[BOXES]
         if len(boxes) > limit:
             raise DecodeError(f"boxes: {len(boxes)} boxes, over the {limit} per sample that "
                               f"{self.declared_at(BOXES)}.max_items allows")
-        top, left, h, w = placed.box
+        top, left, h, w = window.box
         sx, sy = self.width / w, self.height / h
         out = np.empty((len(boxes), _BOX_COLUMNS), np.float64)
         out[:, [0, 2]] = np.clip((boxes[:, [0, 2]] - left) * sx, 0, self.width)

@@ -141,10 +141,10 @@ class ImageRows(RowReader):
                                     partial(roots.read, path))
         image = arrays.get("decoded", arrays["image"])[row]
         with stages["decode"].time():  # the decoder flips; the batch pass does not
-            placed = decoders.image.decode_into(data, image, crop, flip)
+            window = decoders.image.decode_into(data, image, crop, flip)
             if self.fields is not None:
                 # The sample after crop and flip: where a per-sample transform would run.
-                sample = self.fields.read(roots, path, image, placed, flip, decoders.max_pixels)
+                sample = self.fields.read(roots, path, image, window, flip, decoders.max_pixels)
                 self.fields.write(sample, arrays, row)
 
 

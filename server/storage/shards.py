@@ -463,7 +463,7 @@ class ShardRows(RowReader):
         at = int(shard_index.image_offset[n]) - start
         image = arrays.get("decoded", arrays["image"])[row]
         with stages["decode"].time():  # the decoder flips, as for loose images
-            placed = decoders.image.decode_into(data[at:at + int(shard_index.image_size[n])],
+            window = decoders.image.decode_into(data[at:at + int(shard_index.image_size[n])],
                                                 image, crop, flip)
             if self.fields is not None:
                 files = {}
@@ -471,7 +471,7 @@ class ShardRows(RowReader):
                     offsets, sizes = shard_index.others[suffix]
                     at = int(offsets[n]) - start
                     files[name] = data[at:at + int(sizes[n])]
-                sample = self.fields.convert(files, image, placed, flip, decoders.max_pixels)
+                sample = self.fields.convert(files, image, window, flip, decoders.max_pixels)
                 self.fields.write(sample, arrays, row)
 
 
