@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
-from gpufeed.v1.vocabulary import transport_name
+from gpufeed.v1.vocabulary import UNREAD, transport_name
 
 from .connection import Connection
 from .errors import FeedError
@@ -306,7 +306,7 @@ class Loader:
         part.server = (part.server + 1) % len(self._servers)
         # A stream opened ahead that the trainer left unread past the server's lease
         # timeout (an evaluation loader while the trainer trains) is routine: quiet.
-        level = logging.INFO if _UNREAD in details else logging.WARNING
+        level = logging.INFO if UNREAD in details else logging.WARNING
         _log.log(level, "stream from %s interrupted (%s); resuming at batch %d on %s",
                  server.address, details, part.consumed, self._servers[part.server].address)
         outage.tried += 1
@@ -319,11 +319,6 @@ class Loader:
             self.failures.append(failure)
             _log.warning("sample %d skipped (%s): %s", failure.index, failure.category,
                          failure.reason)
-
-
-# What the server's lease timeout says of a stream whose batches the client never
-# read (server/serving/stream.py, UNREAD).
-_UNREAD = "the trainer has read no batch of this stream"
 
 
 def _status(error: grpc.RpcError | FeedError) -> tuple[grpc.StatusCode, str]:

@@ -26,6 +26,7 @@ import grpc
 import torch
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import NO_SLOT_MEMORY
 
 from .batches import BatchReader, Release
 from .connection import Connection
@@ -35,10 +36,6 @@ from .shm import ShmBatches
 __all__ = ["OpenStream", "open_stream"]
 
 _log = logging.getLogger(__name__)
-
-# How the server's refusal for want of /dev/shm (or device) memory begins
-# (server/memory/memories.py, SlotMemories.open).
-_NO_SLOT_MEMORY = "no memory for this stream's"
 
 
 class OpenStream:
@@ -133,7 +130,7 @@ def open_stream(server: Connection, request: feed_pb2.StreamRequest, copy: bool,
     except grpc.RpcError as e:
         if not (auto and request.transport != feed_pb2.TRANSPORT_INLINE
                 and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                and _NO_SLOT_MEMORY in (e.details() or "")):
+                and NO_SLOT_MEMORY in (e.details() or "")):
             raise
         _log.warning("%s: transport auto -> inline this pass: %s", server.address, e.details())
         request.transport = feed_pb2.TRANSPORT_INLINE

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import NO_SLOT_MEMORY
 
 from .budget import MemoryExhausted
 from .heap import HeapSlots
@@ -62,8 +63,8 @@ class SlotMemories:
         """The memory of the plan's transport for its ``num_slots`` slots.
 
         Raises MemoryExhausted when there is none (ENOSPC in /dev/shm, CUDA out
-        of memory); its message begins "no memory for this stream's", which the
-        client's ``auto`` transport takes as its cue to fall back to inline.
+        of memory); its message begins with the vocabulary's ``NO_SLOT_MEMORY``,
+        which the client's ``auto`` transport takes as its cue to fall back to inline.
         """
         try:
             if plan.transport == feed_pb2.TRANSPORT_SHM:
@@ -78,6 +79,6 @@ class SlotMemories:
             _log.warning("no memory for a %s stream's %d slots of %d bytes: %s",
                          feed_pb2.Transport.Name(plan.transport), plan.num_slots,
                          plan.layout.slot_bytes, e)
-            raise MemoryExhausted(f"no memory for this stream's {plan.num_slots} slots of "
+            raise MemoryExhausted(f"{NO_SLOT_MEMORY} {plan.num_slots} slots of "
                                   f"{plan.layout.slot_bytes} bytes: {e}; ask for a smaller "
                                   f"prefetch or batch") from None

@@ -25,7 +25,7 @@ import grpc
 
 import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
-from gpufeed.v1.vocabulary import transport_name
+from gpufeed.v1.vocabulary import UNREAD, transport_name
 
 from ..media.samples import Decoders
 from ..memory.budget import MemoryBudget, MemoryExhausted
@@ -52,7 +52,7 @@ from .errors import (
 from .pool import DecodePool
 from .request import Limits, StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
-from .stream import UNREAD, SlotBatch, Stream
+from .stream import SlotBatch, Stream
 from .watchdog import Watchdog, end_call
 from .wire import InlineBatch
 

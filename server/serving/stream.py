@@ -25,6 +25,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from gpufeed.v1.vocabulary import UNREAD
+
 from ..media.samples import Decoders
 from ..memory.ring import SlotRing
 from ..memory.slots import SlotMemory
@@ -44,15 +46,10 @@ from .pool import DecodePool
 from .request import StreamPlan
 from .sources import BatchSource, OwnBatches
 
-__all__ = ["UNREAD", "SlotBatch", "Stream", "StreamState"]
+__all__ = ["SlotBatch", "Stream", "StreamState"]
 
 _log = logging.getLogger(__name__)
 
-
-# What a lease timeout's message says when the client has read no batch of the stream
-# at all (a loader opened ahead that the trainer has not iterated yet): nothing is
-# wrong, the client reopens at its position quietly and the server logs it at info.
-UNREAD = "the trainer has read no batch of this stream"
 
 # Samples tried for a padding row before a split over ranks gives up on an all-failed
 # batch (SlotBatch._refill): enough for a run of broken files, bounded for a broken data set.

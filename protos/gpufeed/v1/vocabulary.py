@@ -14,7 +14,9 @@ numbers mean where both sides must agree and the proto has no place for it:
   ``Batch.data``, slot arrays at multiples of ``SLOT_ALIGN`` bytes of their
   slot, so either side can view any dtype in place;
 * the directory POSIX shared memory lives in, where the server creates a
-  stream's segment and the client maps it by the header's ``shm_name``.
+  stream's segment and the client maps it by the header's ``shm_name``;
+* the words of a status's details the client acts on, where the status code
+  alone cannot tell two cases apart (``UNREAD``, ``NO_SLOT_MEMORY``).
 
 Both ``gpufeed.server`` and ``gpufeed.client`` import it; it needs only numpy
 and the generated stubs, as the client does.
@@ -26,9 +28,9 @@ import numpy as np
 
 from . import feed_pb2
 
-__all__ = ["BFLOAT16", "FAILURE_CATEGORIES", "INLINE_ALIGN", "OUTPUT_DTYPES", "SHM_DIR",
-           "SLOT_ALIGN", "TRANSPORTS", "carrier_dtype", "failure_category_name",
-           "transport_name"]
+__all__ = ["BFLOAT16", "FAILURE_CATEGORIES", "INLINE_ALIGN", "NO_SLOT_MEMORY", "OUTPUT_DTYPES",
+           "SHM_DIR", "SLOT_ALIGN", "TRANSPORTS", "UNREAD", "carrier_dtype",
+           "failure_category_name", "transport_name"]
 
 
 def _names(enum, prefix: str) -> dict[str, int]:
@@ -52,6 +54,14 @@ BFLOAT16 = "bfloat16"
 INLINE_ALIGN = 64
 SLOT_ALIGN = 4096
 SHM_DIR = "/dev/shm"
+
+# In an UNAVAILABLE lease timeout's details: the trainer never read the stream (a
+# loader opened ahead, not iterated yet). Routine: the client reopens it quietly.
+UNREAD = "the trainer has read no batch of this stream"
+# How a RESOURCE_EXHAUSTED refusal begins when the server has no /dev/shm or device
+# memory for the stream's slots (not its budget or stream count): the cue for the
+# client's transport ``auto`` to ask again inline.
+NO_SLOT_MEMORY = "no memory for this stream's"
 
 
 def transport_name(transport: int) -> str:
