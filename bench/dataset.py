@@ -65,10 +65,20 @@ class DataSet:
 
 
 def build(root: Path, count: int, *, seed: int = 0, log=print) -> DataSet:
-    """``count`` JPEGs in ``root``; reuses what an earlier call with the same arguments made."""
+    """``count`` JPEGs in ``root``; reuses what an earlier call with the same arguments made.
+
+    Without scikit-image the set is synthetic and goes to ``root`` + ``-synthetic``:
+    two virtualenvs sharing bench/data (a before/after comparison) then never
+    rebuild each other's set, nor compare rows measured on different files (the
+    synthetic files are half the size and decode faster).
+    """
     root = Path(root)
     photos, textures = _load_photos()
     source = "scikit-image photos" if photos else "synthetic"
+    if not photos:
+        root = root.with_name(root.name + "-synthetic")
+        log("scikit-image is not installed: a synthetic set, whose figures do not compare "
+            "with the photo set's (pip install scikit-image)")
     want = {"recipe": _RECIPE, "count": count, "seed": seed, "source": source}
     manifest = root / _MANIFEST
     if manifest.exists():
