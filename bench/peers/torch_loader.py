@@ -80,12 +80,14 @@ _augment = None
 def _augmented(chw: np.ndarray) -> torch.Tensor:
     """ColorJitter then TrivialAugmentWide on one uint8 [3, H, W] image, in torch: the
     operations torchvision.transforms.v2 runs on a tensor (gpufeed's built-ins compute
-    the same ones, and torchvision does not import here). Draws from torch's generator,
-    which DataLoader seeds per worker."""
+    the same formulas, and torchvision does not import here): gpufeed's torch path, not
+    its C kernels, which are gpufeed's own. Draws from torch's generator, which
+    DataLoader seeds per worker."""
     global _augment
     if _augment is None:  # once per worker
         from gpufeed.server.media import augment
 
+        augment.use_native(False)
         _augment = (augment.color_jitter(**jobs.JITTER), augment.trivial_augment_wide())
     rng = np.random.default_rng(int(torch.randint(0, 2**62, ()).item()))
     sample = {"image": chw}

@@ -2,8 +2,15 @@
 
 ``color_jitter``, ``trivial_augment_wide`` and ``random_erasing`` take
 torchvision.transforms.v2's parameters, with its ranges and defaults, and
-compute its formulas for uint8 images (the kernels below, in torch: they
-release the GIL). Their random draws follow torchvision's distributions, taken
+compute its formulas for uint8 images. The kernels below are torch operations
+(torchvision's own: one float32 tensor per step, uint8 -> float -> uint8 per
+operation) and, where the extension is built, C (_augment.c: the same float32
+operations in the same order, pixel by pixel on the uint8 planes, the GIL
+released), which take over from torch for uint8 CPU images: the same pixels
+at a fraction of the CPU (bench/README.md; ``use_native`` switches between the
+two). The one difference: warps (rotate, shear) map pixels in double in C,
+float32 in torch, so a sample point on a pixel's edge may round either way.
+Their random draws follow torchvision's distributions, taken
 from the sample's generator rather than torch's global one, so a pass is
 reproducible and resumable; the pixels for given parameters (factors, an
 operation and its magnitude, a box) are torchvision's (tests/test_plugins.py
@@ -17,7 +24,8 @@ float images only; rows here are uint8).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,11 +33,52 @@ from torch.nn.functional import conv2d, grid_sample
 
 from ..transforms import SampleFn, register
 
-__all__ = ["adjust_brightness", "adjust_contrast", "adjust_hue", "adjust_saturation",
-           "adjust_sharpness", "affine", "autocontrast", "equalize", "posterize", "rotate",
-           "solarize"]
+try:
+    from . import _augment  # pyright: ignore[reportAttributeAccessIssue]  # C, no stub
+except ImportError:  # built without the C kernels: the torch path does all
+    _augment = None
+
+__all__ = ["NATIVE_BUILT", "adjust_brightness", "adjust_contrast", "adjust_hue",
+           "adjust_saturation", "adjust_sharpness", "affine", "autocontrast", "equalize",
+           "posterize", "rotate", "solarize", "use_native"]
 
 _GRAY = (0.2989, 0.587, 0.114)  # torchvision's (ITU-R 601) luma weights
+
+NATIVE_BUILT = _augment is not None
+_native: Any = _augment  # the C module while the C kernels are on, else None
+
+
+def use_native(enabled: bool) -> None:
+    """Run the kernels in C (the default where the extension is built) or as torch
+    operations (torchvision's own, one float32 tensor per step): the bench's DataLoader
+    peer runs the latter, as a torchvision user would; tests check the two agree."""
+    global _native
+    if enabled and _augment is None:
+        raise RuntimeError("the C kernels (gpufeed.server.media._augment) are not built")
+    _native = _augment if enabled else None
+
+
+def _native_takes(image: torch.Tensor, rgb: bool = False) -> bool:
+    """Whether the C kernels take ``image``: built and on, uint8 [..., C, H, W] on the CPU
+    (C == 3 if ``rgb``)."""
+    return (_native is not None and image.dtype == torch.uint8 and image.dim() >= 3
+            and image.device.type == "cpu" and (not rgb or image.shape[-3] == 3))
+
+
+def _run_native(kernel: Callable[..., None], image: torch.Tensor, layout: str,
+                *args: object) -> torch.Tensor:
+    """``kernel`` over ``image`` [..., C, H, W] into a new tensor, the shape given as
+    ``layout`` says: "images" (images, C, H * W), "planes" (planes, 1, H * W), "rows"
+    (planes, H, W), "warp" (images, C, H, W)."""
+    src = image.contiguous()
+    out = torch.empty_like(src, memory_format=torch.contiguous_format)
+    channels, height, width = src.shape[-3:]
+    planes = src.numel() // max(height * width, 1)
+    shape = {"images": (planes // max(channels, 1), channels, height * width),
+             "planes": (planes, 1, height * width), "rows": (planes, height, width),
+             "warp": (planes // max(channels, 1), channels, height, width)}[layout]
+    kernel(src.numpy(), out.numpy(), *shape, *args)
+    return out
 
 
 # --- kernels: uint8 [..., 3, H, W] in, uint8 out ------------------------------------------------
@@ -51,19 +100,27 @@ def _gray(image: torch.Tensor) -> torch.Tensor:
 
 
 def adjust_brightness(image: torch.Tensor, factor: float) -> torch.Tensor:
+    if _native_takes(image):
+        return _run_native(_native.brightness, image, "images", factor)
     return _to_uint8(image.mul(factor))
 
 
 def adjust_saturation(image: torch.Tensor, factor: float) -> torch.Tensor:
+    if _native_takes(image, rgb=True):
+        return _run_native(_native.saturation, image, "images", factor)
     return _blend(image, _gray(image), factor)
 
 
 def adjust_contrast(image: torch.Tensor, factor: float) -> torch.Tensor:
+    if _native_takes(image, rgb=True):
+        return _run_native(_native.contrast, image, "images", factor)
     return _blend(image, _gray(image).mean(dim=(-3, -2, -1), keepdim=True), factor)
 
 
 def adjust_hue(image: torch.Tensor, factor: float) -> torch.Tensor:
     """Rotate the hue by ``factor`` turns, through HSV in float32, as torchvision."""
+    if _native_takes(image, rgb=True):
+        return _run_native(_native.hue, image, "images", factor)
     x = image.to(torch.float32).mul_(1.0 / 255)
     h, s, v = _hsv(x)
     h = h.add_(factor).remainder_(1.0)
@@ -109,6 +166,8 @@ def adjust_sharpness(image: torch.Tensor, factor: float) -> torch.Tensor:
     channels, height, width = image.shape[-3:]
     if height <= 2 or width <= 2:
         return image
+    if _native_takes(image):
+        return _run_native(_native.sharpness, image, "rows", factor)
     shape = image.shape
     x = image.reshape(-1, channels, height, width).to(torch.float32)
     a, b = 1.0 / 13.0, 5.0 / 13.0
@@ -128,6 +187,8 @@ def solarize(image: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def autocontrast(image: torch.Tensor) -> torch.Tensor:
+    if _native_takes(image):
+        return _run_native(_native.autocontrast, image, "planes")
     x = image.to(torch.float32)
     low = x.amin(dim=(-2, -1), keepdim=True)
     high = x.amax(dim=(-2, -1), keepdim=True)
@@ -139,6 +200,8 @@ def autocontrast(image: torch.Tensor) -> torch.Tensor:
 
 def equalize(image: torch.Tensor) -> torch.Tensor:
     """Per-channel histogram equalisation with Pillow's lookup table, as torchvision."""
+    if _native_takes(image):
+        return _run_native(_native.equalize, image, "planes")
     shape = image.shape[:-2]
     flat = image.flatten(-2).long()
     hist = torch.zeros(*shape, 256, dtype=torch.int32)
@@ -172,7 +235,15 @@ def _inverse_affine(center: tuple[float, float], angle: float, translate: tuple[
 
 def _warp(image: torch.Tensor, matrix: list[float], fill: list[float] | None) -> torch.Tensor:
     """Nearest-neighbour resampling of ``image`` through ``matrix`` (output -> input,
-    about the image's centre); outside the image: ``fill``, or zeros."""
+    about the image's centre); outside the image: ``fill``, or zeros. The C kernel maps
+    pixels in double where torch's grid is float32: a point on a pixel's edge may round
+    to the other neighbour (tests/test_augment.py counts them)."""
+    if _native_takes(image) and (fill is None or len(fill) in (1, image.shape[-3])):
+        pixels = None
+        if fill is not None:  # what the torch path's round_() makes of the fill
+            values = torch.tensor(fill).round_().to(torch.uint8).expand(image.shape[-3])
+            pixels = bytes(values.tolist())
+        return _run_native(_native.warp, image, "warp", tuple(matrix), pixels)
     height, width = image.shape[-2:]
     shape = image.shape
     x = image.reshape(-1, *shape[-3:]).to(torch.float32)
