@@ -174,6 +174,22 @@ VARIANTS(contrast_run, (in_t src, out_t dst, size_t images, size_t plane, float 
 
 /* ---- hue: RGB -> HSV, rotate, HSV -> RGB, in float32 ------------------- */
 
+/* Each select a single one, so that the compiler vectorises the loop. */
+INLINE float unit(float x) /* clamp_(0.0, 1.0) */
+{
+    x = x < 0.0f ? 0.0f : x;
+    return x > 1.0f ? 1.0f : x;
+}
+
+/* A channel's value in ``sector``: v in sectors a and b, q in c, u in d, else p. */
+INLINE float pick(int sector, int a, int b, int c, int d, float v, float p, float q, float u)
+{
+    float o = sector == c ? q : p;
+    o = sector == d ? u : o;
+    o = sector == a ? v : o;
+    return sector == b ? v : o;
+}
+
 INLINE void hue_run_body(in_t src, out_t dst, size_t images, size_t plane, float factor)
 {
     const float scale = (float)(1.0 / 255), sixth = (float)(1.0 / 6.0);
@@ -189,7 +205,6 @@ INLINE void hue_run_body(in_t src, out_t dst, size_t images, size_t plane, float
             float high = r > g ? r : g, low = r < g ? r : g;
             high = high > b ? high : b;
             low = low < b ? low : b;
-            /* each select a single one, so that the compiler vectorises the loop */
             float spread = high - low;
             float s = high == low ? 1.0f : high;
             s = spread / s;
@@ -215,26 +230,11 @@ INLINE void hue_run_body(in_t src, out_t dst, size_t images, size_t plane, float
             sector = sector == 6 ? 0 : sector; /* remainder 6 */
             float sf = s * f, v = high;
             float p = (1.0f - s) * v, q = (1.0f - sf) * v, u = (sf + (1.0f - s)) * v;
-            p = p < 0.0f ? 0.0f : p;
-            p = p > 1.0f ? 1.0f : p;
-            q = q < 0.0f ? 0.0f : q;
-            q = q > 1.0f ? 1.0f : q;
-            u = u < 0.0f ? 0.0f : u;
-            u = u > 1.0f ? 1.0f : u;
+            p = unit(p), q = unit(q), u = unit(u);
             /* by sector 0..5: red v q p p u v, green u v v q p p, blue p p u v v q */
-            float o0 = p, o1 = p, o2 = p;
-            o0 = sector == 1 ? q : o0;
-            o0 = sector == 4 ? u : o0;
-            o0 = sector == 0 ? v : o0;
-            o0 = sector == 5 ? v : o0;
-            o1 = sector == 0 ? u : o1;
-            o1 = sector == 3 ? q : o1;
-            o1 = sector == 1 ? v : o1;
-            o1 = sector == 2 ? v : o1;
-            o2 = sector == 2 ? u : o2;
-            o2 = sector == 5 ? q : o2;
-            o2 = sector == 3 ? v : o2;
-            o2 = sector == 4 ? v : o2;
+            float o0 = pick(sector, 0, 5, 1, 4, v, p, q, u);
+            float o1 = pick(sector, 1, 2, 3, 0, v, p, q, u);
+            float o2 = pick(sector, 3, 4, 5, 2, v, p, q, u);
             r_out[i] = (uint8_t)(int)(o0 * back);
             g_out[i] = (uint8_t)(int)(o1 * back);
             b_out[i] = (uint8_t)(int)(o2 * back);
@@ -375,145 +375,94 @@ static int parse(PyObject *args, const char *format, buffers_t *bufs, Py_ssize_t
     return get_buffers(src, dst, *a * *b * *c, bufs);
 }
 
-PyDoc_STRVAR(brightness_doc, "brightness(src, dst, images, channels, pixels, factor)\n\n"
-             "dst = clamp(src * factor, 0, 255), truncated.");
+/* The kernels as one signature: the shape (a, b, c) and a factor. */
+typedef void (*kernel_t)(in_t src, out_t dst, size_t a, size_t b, size_t c, double factor);
 
-static PyObject *brightness(PyObject *self, PyObject *args)
+static void brightness_k(in_t src, out_t dst, size_t n, size_t c, size_t p, double f)
 {
-    buffers_t b;
-    Py_ssize_t n, c, p;
-    double factor;
-    if (parse(args, ARGS_SHAPE "d", &b, &n, &c, &p, &factor))
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    brightness_run(b.src.buf, b.dst.buf, (size_t)(n * c * p), (float)factor);
-    Py_END_ALLOW_THREADS
-    release(&b);
-    Py_RETURN_NONE;
+    brightness_run(src, dst, n * c * p, (float)f);
 }
 
-/* For the kernels of RGB images: (images, 3, pixels). */
-static int rgb(Py_ssize_t channels, buffers_t *b)
+static void saturation_k(in_t src, out_t dst, size_t n, size_t c, size_t p, double f)
 {
-    if (channels == 3)
-        return 0;
-    PyErr_SetString(PyExc_ValueError, "this kernel takes RGB images (3 channels)");
-    release(b);
-    return -1;
+    saturation_run(src, dst, n, p, (float)f, (float)(1.0 - f));
 }
 
-PyDoc_STRVAR(saturation_doc, "saturation(src, dst, images, 3, pixels, factor)\n\n"
-             "Blend each RGB image with its grey (ITU-R 601 luma, floored).");
-
-static PyObject *saturation(PyObject *self, PyObject *args)
+static void contrast_k(in_t src, out_t dst, size_t n, size_t c, size_t p, double f)
 {
-    buffers_t b;
-    Py_ssize_t n, c, p;
-    double factor;
-    if (parse(args, ARGS_SHAPE "d", &b, &n, &c, &p, &factor) || rgb(c, &b))
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    saturation_run(b.src.buf, b.dst.buf, (size_t)n, (size_t)p, (float)factor,
-                   (float)(1.0 - factor));
-    Py_END_ALLOW_THREADS
-    release(&b);
-    Py_RETURN_NONE;
+    if (p) /* no pixels, no mean */
+        contrast_run(src, dst, n, p, (float)f, (float)(1.0 - f));
 }
 
-PyDoc_STRVAR(contrast_doc, "contrast(src, dst, images, 3, pixels, factor)\n\n"
-             "Blend each RGB image with the mean of its grey.");
-
-static PyObject *contrast(PyObject *self, PyObject *args)
+static void hue_k(in_t src, out_t dst, size_t n, size_t c, size_t p, double f)
 {
-    buffers_t b;
-    Py_ssize_t n, c, p;
-    double factor;
-    if (parse(args, ARGS_SHAPE "d", &b, &n, &c, &p, &factor) || rgb(c, &b))
-        return NULL;
-    if (p == 0) {
-        release(&b);
-        Py_RETURN_NONE;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    contrast_run(b.src.buf, b.dst.buf, (size_t)n, (size_t)p, (float)factor,
-                 (float)(1.0 - factor));
-    Py_END_ALLOW_THREADS
-    release(&b);
-    Py_RETURN_NONE;
+    hue_run(src, dst, n, p, (float)f);
 }
 
-PyDoc_STRVAR(hue_doc, "hue(src, dst, images, 3, pixels, factor)\n\n"
-             "Rotate each RGB image's hue by factor turns, through HSV in float32.");
-
-static PyObject *hue(PyObject *self, PyObject *args)
+static void sharpness_k(in_t src, out_t dst, size_t planes, size_t h, size_t w, double f)
 {
-    buffers_t b;
-    Py_ssize_t n, c, p;
-    double factor;
-    if (parse(args, ARGS_SHAPE "d", &b, &n, &c, &p, &factor) || rgb(c, &b))
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    hue_run(b.src.buf, b.dst.buf, (size_t)n, (size_t)p, (float)factor);
-    Py_END_ALLOW_THREADS
-    release(&b);
-    Py_RETURN_NONE;
+    sharpness_run(src, dst, planes, h, w, (float)(1.0 - f));
 }
 
-PyDoc_STRVAR(sharpness_doc, "sharpness(src, dst, planes, height, width, factor)\n\n"
-             "Blend each plane with its 3x3 smoothing inside a one-pixel border\n"
-             "(height and width at least 3).");
-
-static PyObject *sharpness(PyObject *self, PyObject *args)
+static void autocontrast_k(in_t src, out_t dst, size_t planes, size_t one, size_t p, double f)
 {
-    buffers_t b;
-    Py_ssize_t planes, h, w;
-    double factor;
-    if (parse(args, ARGS_SHAPE "d", &b, &planes, &h, &w, &factor))
+    autocontrast_run(src, dst, planes * one, p);
+}
+
+static void equalize_k(in_t src, out_t dst, size_t planes, size_t one, size_t p, double f)
+{
+    equalize_run(src, dst, planes * one, p);
+}
+
+enum { FACTOR = 1, RGB = 2, AT_LEAST_3X3 = 4 };
+
+/* Parse (src, dst, a, b, c[, factor]), check the shape as ``flags`` say, run ``kernel``
+ * without the GIL. */
+static PyObject *run(PyObject *args, kernel_t kernel, int flags)
+{
+    buffers_t bufs;
+    Py_ssize_t a, b, c;
+    double factor = 0.0;
+    if (parse(args, flags & FACTOR ? ARGS_SHAPE "d" : ARGS_SHAPE, &bufs, &a, &b, &c,
+              flags & FACTOR ? &factor : NULL))
         return NULL;
-    if (h < 3 || w < 3) {
-        PyErr_SetString(PyExc_ValueError, "sharpness needs at least 3x3 pixels");
-        release(&b);
+    const char *wrong = (flags & RGB) && b != 3 ? "this kernel takes RGB images (3 channels)"
+                        : (flags & AT_LEAST_3X3) && (b < 3 || c < 3)
+                            ? "sharpness needs at least 3x3 pixels"
+                            : NULL;
+    if (wrong) {
+        PyErr_SetString(PyExc_ValueError, wrong);
+        release(&bufs);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    sharpness_run(b.src.buf, b.dst.buf, (size_t)planes, (size_t)h, (size_t)w,
-                  (float)(1.0 - factor));
+    kernel(bufs.src.buf, bufs.dst.buf, (size_t)a, (size_t)b, (size_t)c, factor);
     Py_END_ALLOW_THREADS
-    release(&b);
+    release(&bufs);
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(autocontrast_doc, "autocontrast(src, dst, planes, 1, pixels)\n\n"
-             "Stretch each plane to [0, 255] (a flat plane kept).");
+#define KERNEL(name, flags, doc)                               \
+    PyDoc_STRVAR(name##_doc, doc);                             \
+    static PyObject *name(PyObject *self, PyObject *args)      \
+    {                                                          \
+        return run(args, name##_k, flags);                     \
+    }
 
-static PyObject *autocontrast(PyObject *self, PyObject *args)
-{
-    buffers_t b;
-    Py_ssize_t planes, one, p;
-    if (parse(args, ARGS_SHAPE, &b, &planes, &one, &p, NULL))
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    autocontrast_run(b.src.buf, b.dst.buf, (size_t)(planes * one), (size_t)p);
-    Py_END_ALLOW_THREADS
-    release(&b);
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(equalize_doc, "equalize(src, dst, planes, 1, pixels)\n\n"
-             "Equalize each plane's histogram with Pillow's table.");
-
-static PyObject *equalize(PyObject *self, PyObject *args)
-{
-    buffers_t b;
-    Py_ssize_t planes, one, p;
-    if (parse(args, ARGS_SHAPE, &b, &planes, &one, &p, NULL))
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    equalize_run(b.src.buf, b.dst.buf, (size_t)(planes * one), (size_t)p);
-    Py_END_ALLOW_THREADS
-    release(&b);
-    Py_RETURN_NONE;
-}
+KERNEL(brightness, FACTOR, "brightness(src, dst, images, channels, pixels, factor)\n\n"
+       "dst = clamp(src * factor, 0, 255), truncated.")
+KERNEL(saturation, FACTOR | RGB, "saturation(src, dst, images, 3, pixels, factor)\n\n"
+       "Blend each RGB image with its grey (ITU-R 601 luma, floored).")
+KERNEL(contrast, FACTOR | RGB, "contrast(src, dst, images, 3, pixels, factor)\n\n"
+       "Blend each RGB image with the mean of its grey.")
+KERNEL(hue, FACTOR | RGB, "hue(src, dst, images, 3, pixels, factor)\n\n"
+       "Rotate each RGB image's hue by factor turns, through HSV in float32.")
+KERNEL(sharpness, FACTOR | AT_LEAST_3X3, "sharpness(src, dst, planes, height, width, factor)\n\n"
+       "Blend each plane with its 3x3 smoothing inside a one-pixel border.")
+KERNEL(autocontrast, 0, "autocontrast(src, dst, planes, 1, pixels)\n\n"
+       "Stretch each plane to [0, 255] (a flat plane kept).")
+KERNEL(equalize, 0, "equalize(src, dst, planes, 1, pixels)\n\n"
+       "Equalize each plane's histogram with Pillow's table.")
 
 PyDoc_STRVAR(warp_doc, "warp(src, dst, images, channels, height, width, matrix, fill)\n\n"
              "Nearest-neighbour affine warp: output pixel (x, y), from the centre, reads\n"
