@@ -122,3 +122,41 @@ def test_reads_of_an_ended_stream_give_their_bytes_back():
         assert reads.take(stage, 0, lambda: b"not ahead") == b"not ahead"
         reads.forget(stage)
         assert wait_until(lambda: stage.depth() == (0, 0))
+
+
+def test_a_read_with_several_takers_holds_its_bytes_until_the_last_lets_go():
+    # A chunk of a shard (chunks.py): one read, a taker per sample it holds.
+    store = _Store([800, 300])
+    with _stage(threads=2, budget=1000) as stage:
+        chunk = stage.issue(800, lambda: store.read(0), takers=3)
+        other = stage.issue(300, lambda: store.read(1))
+        assert wait_until(lambda: stage.depth() == (1, 800))  # 800 + 300 > 1000: it waits
+        assert stage.take(chunk) == store.objects[0]
+        stage.let_go(chunk)  # a sample never taken
+        assert stage.depth() == (1, 800)  # one taker still to come: the bytes are held
+        assert stage.take(chunk) == store.objects[0]
+        store.taken(0)
+        assert stage.take(other) == store.objects[1]
+        store.taken(1)
+        assert stage.depth() == (0, 0)
+
+
+def test_a_read_not_started_is_read_once_by_its_first_taker_for_all():
+    reads = []
+    with _stage(threads=1, budget=10) as stage:
+        blocker = stage.issue(10, lambda: b"x" * 10)  # holds the whole budget, untaken
+        assert wait_until(lambda: stage.depth() == (0, 10))
+        chunk = stage.issue(50, lambda: reads.append(1) or b"y" * 50, takers=2)
+        assert stage.take(chunk) == b"y" * 50  # read here: the I/O stage has no room
+        assert stage.take(chunk) == b"y" * 50 and reads == [1]
+        stage.take(blocker)
+        assert stage.depth() == (0, 0)
+
+
+def test_a_stream_that_ends_drops_a_read_all_its_takers_would_have_taken():
+    with _stage(threads=1, budget=1000) as stage:
+        chunk = stage.issue(500, lambda: b"z" * 500, takers=4)
+        assert wait_until(lambda: stage.depth() == (0, 500))
+        stage.take(chunk)
+        stage.drop(chunk)
+        assert stage.depth() == (0, 0)

@@ -192,7 +192,7 @@ def test_storage_metrics_per_source(feed, metrics_address):
     list(feed.loader([SHARDS], batch_size=4, size=SIZE))
     address = metrics_address[1]
     assert _metric(address, 'gpufeed_storage_read_bytes_total{source="s3"}') > 0
-    assert _metric(address, 'gpufeed_storage_read_seconds_count{source="s3"}') >= sum(COUNTS)
+    assert _metric(address, 'gpufeed_storage_read_seconds_count{source="s3"}') >= len(COUNTS)
     assert _metric(address, 'gpufeed_storage_read_bytes_total{source="local"}') == 0
     assert _metric(address, 'gpufeed_storage_index_bytes_total{source="s3"}') > 0
     # every read taken: nothing held
@@ -230,16 +230,77 @@ def test_loose_objects_read_ahead_every_one_once_as_read_one_by_one(s3, feed, me
     assert all((g[2] == a[2]).all() for g, a in zip(got, ahead))
 
 
-def _sample_spans(shards: list[bytes]) -> list[int]:
-    """Per sample over all shards, the bytes from its image member's data to its label's end:
-    what reading just that sample takes."""
+GETS = 'gpufeed_storage_read_seconds_count{source="s3"}'  # one per ranged GET of samples
+READ = 'gpufeed_storage_read_bytes_total{source="s3"}'
+INDEX = 'gpufeed_storage_index_bytes_total{source="s3"}'
+
+
+def _sample_spans(shards: list[bytes]) -> list[tuple[int, int, int]]:
+    """Per sample over all shards: (its shard, where its image member's data starts, where
+    its label member ends): reading just that sample reads the bytes between."""
     spans = []
-    for data in shards:
+    for s, data in enumerate(shards):
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             members = tar.getmembers()
         for image, label in zip(members[::2], members[1::2]):
-            spans.append(label.offset_data + label.size - image.offset_data)
+            spans.append((s, image.offset_data, label.offset_data + label.size))
     return spans
+
+
+def _runs_bytes(spans: list[tuple[int, int, int]], served: list[int]) -> int:
+    """The bytes of ``served``'s samples read as one range per shard (from the first served
+    sample's image to the last one's label)."""
+    by_shard: dict[int, list[int]] = {}
+    for i in served:
+        by_shard.setdefault(spans[i][0], []).append(i)
+    return sum(spans[max(run)][2] - spans[min(run)][1] for run in by_shard.values())
+
+
+class _Reads:
+    """The server's ranged GETs of samples and their bytes (index reads apart) from now on."""
+
+    def __init__(self, address: str):
+        self._address = address
+        _until_no_stream_reads(address)
+        self._at = self._now()
+
+    def _now(self) -> tuple[float, float]:
+        return (_metric(self._address, GETS),
+                _metric(self._address, READ) - _metric(self._address, INDEX))
+
+    def since(self) -> tuple[int, int]:
+        now = self._now()
+        return int(now[0] - self._at[0]), int(now[1] - self._at[1])
+
+
+def test_an_unshuffled_pass_reads_each_shard_in_one_get(s3, feed, metrics_address):
+    reads = _Reads(metrics_address[1])
+    loader = feed.loader([SHARDS], batch_size=4, size=SIZE)
+    seen = []
+    for batch in loader:
+        for index, label, image in zip(batch["index"].tolist(), batch["label"].tolist(),
+                                       batch["image"].numpy()):
+            assert label == label_of(index)
+            assert psnr(image, _reference(s3.jpegs[index])) >= MIN_PSNR_DB
+            seen.append(index)
+    assert seen == list(range(sum(COUNTS))) and loader.failures == []
+    # 19 samples: one GET per shard (a chunk runs to the shard's end, within 4 MiB), each
+    # byte of the samples' members read once.
+    assert reads.since() == (len(COUNTS), _runs_bytes(_sample_spans(s3.shards), seen))
+
+
+def test_a_shuffled_pass_reads_in_fewer_gets_than_samples(s3, feed, metrics_address):
+    reads = _Reads(metrics_address[1])
+    loader = feed.loader([SHARDS], batch_size=4, size=SIZE, shuffle=True, seed=3)
+    batches = [(b["index"].tolist(), b["label"].tolist()) for b in loader]
+    served = [i for indices, _ in batches for i in indices]
+    assert sorted(served) == list(range(sum(COUNTS))) and loader.failures == []
+    assert all(label == label_of(i) for indices, labels in batches
+               for i, label in zip(indices, labels))
+    gets, read = reads.since()
+    assert gets <= sum(COUNTS) // 2
+    # Never a byte twice: at most the shards' samples' members and the headers between.
+    assert read <= _runs_bytes(_sample_spans(s3.shards), served)
 
 
 def test_resume_mid_shard_reads_only_the_samples_it_serves(s3, feed, metrics_address):
@@ -253,12 +314,10 @@ def test_resume_mid_shard_reads_only_the_samples_it_serves(s3, feed, metrics_add
     # The loader opens a stream from the start when it is made, and load_state_dict ends it;
     # what that stream read is not the resumed pass's.
     address = metrics_address[1]
-    _until_no_stream_reads(address)
-    read = 'gpufeed_storage_read_bytes_total{source="s3"}'
-    index = 'gpufeed_storage_index_bytes_total{source="s3"}'
-    before = _metric(address, read), _metric(address, index)
+    reads = _Reads(address)
+    index = _metric(address, INDEX)
     served = _indices(resumed)
     assert served == list(range(8, sum(COUNTS)))
-    assert _metric(address, index) == before[1]  # the index is kept, not read again
-    spans = _sample_spans(s3.shards)
-    assert _metric(address, read) - before[0] == sum(spans[i] for i in served)
+    assert _metric(address, INDEX) == index  # the index is kept, not read again
+    # Two GETs: sample 8 (not the shard's start) to its shard's end, then the next shard.
+    assert reads.since() == (2, _runs_bytes(_sample_spans(s3.shards), served))

@@ -203,6 +203,9 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                       max_failures=_failure_budget(req, batches.samples_from(0), limits),
                       lease_timeout=limits.lease_timeout, compression=compression,
                       compress=compress, fields=fields, sample_transforms=sample_transforms)
+    if isinstance(reader, ShardRows):  # S3 chunks run over the samples the stream reads
+        served = [batches[k] for k in range(plan.start_batch, len(batches))]
+        reader.will_read(np.concatenate(served) if served else order[:0])
     if plan.nbytes >= _TRIM_AFTER_BYTES:
         weakref.finalize(plan, return_free_memory)
     return plan

@@ -5,13 +5,14 @@ read itself would sit idle that long per sample. So when a stream starts a
 batch, each of its samples' reads is issued here at once, to run on I/O
 threads of their own, and the decode thread that later takes the row finds the
 bytes already there (or waits only for the rest of a read under way). Both
-sources that read from S3 use it: a shard sample's members (a byte range of the
-shard, whose size the shard's index knows) and a loose object (whose size is
-known only once its GET answers).
+sources that read from S3 use it: a chunk of a shard's samples (a byte range of
+the shard, whose size the shard's index knows; chunks.py), read once and taken
+by each of its samples' decode threads, and a loose object (whose size is known
+only once its GET answers).
 
 A byte budget bounds the memory: reads start in the order issued while the
-bytes held (reads under way or done, not yet taken) stay within ``budget``
-(one read always may start, however large, so the bound is
+bytes held (reads under way or done, not yet taken by each of their takers)
+stay within ``budget`` (one read always may start, however large, so the bound is
 max(budget, the largest object)). A read of unknown size starts charged at the
 mean size of the loose objects read so far (its estimate); once its GET
 answers with a Content-Length it holds its real size, and if that no longer
@@ -21,8 +22,9 @@ again when its real size fits. So a body is only ever read within the budget,
 at the price of a repeated GET when an estimate was short and the budget full.
 
 A decode thread never waits for a read that has not started: it takes it off
-the queue and reads itself, so no decode thread can wait on reads stuck behind
-another stream's unconsumed bytes.
+the queue and reads itself (for a chunk's other takers too, who wait for it;
+such a read is not charged, as the decode thread's own read never was), so no
+decode thread can wait on reads stuck behind another stream's unconsumed bytes.
 
 Only S3 sources use it: a local, page-cached read is a short system call that
 would cost more to hand to another thread than to make (bench/README.md).
@@ -54,12 +56,13 @@ class PendingRead:
     bytes or error. ``read`` does it whole; ``open``, for a read of unknown size, answers
     (size, body) first."""
 
-    __slots__ = ("size", "read", "open", "state", "charged", "data", "error")
+    __slots__ = ("size", "read", "open", "takers", "state", "charged", "data", "error")
 
     def __init__(self, size: int | None, read: Callable[[], bytes],
-                 open: Callable[[], tuple[int, Body]] | None = None):
+                 open: Callable[[], tuple[int, Body]] | None = None, takers: int = 1):
         self.size, self.read, self.open = size, read, open
-        self.state = "queued"  # -> running -> done; or taken (by a decode thread) / dropped
+        self.takers = takers  # takes (or let_go calls) before its bytes are given back
+        self.state = "queued"  # -> running -> done -> taken; or dropped (nobody takes it)
         self.charged = 0  # what it holds of the budget once started
         self.data: bytes | None = None
         self.error: BaseException | None = None
@@ -81,45 +84,77 @@ class ReadAhead:
             thread.start()
 
     def issue(self, size: int | None, read: Callable[[], bytes],
-              open: Callable[[], tuple[int, Body]] | None = None) -> PendingRead:
-        """Queue a read of ``size`` bytes, or of unknown size (None) with ``open``."""
+              open: Callable[[], tuple[int, Body]] | None = None,
+              takers: int = 1) -> PendingRead:
+        """Queue a read of ``size`` bytes, or of unknown size (None) with ``open``. A read
+        of known size may have several ``takers`` (a chunk of a shard, chunks.py): it holds
+        its bytes until each has taken it or let it go."""
         if size is None and open is None:
             raise ValueError("a read of unknown size needs open")
-        pending = PendingRead(size, read, open)
+        if takers < 1 or (takers > 1 and size is None):
+            raise ValueError("a read has one taker, or several when its size is known")
+        pending = PendingRead(size, read, open, takers)
         with self._cond:
             self._queue.append(pending)
             self._cond.notify()
         return pending
 
     def take(self, pending: PendingRead) -> bytes:
-        """The read's bytes: read here if it has not started, else once it is done."""
+        """The read's bytes: read here if it has not started, else once it is done. With
+        several takers, the first to come reads a read not started, the others wait."""
         with self._cond:
             # A read under way may also go back to the queue (its real size did not fit).
             self._cond.wait_for(lambda: pending.state != "running")
-            if pending.state == "queued":
+            mine = pending.state == "queued"
+            if mine:  # not started: read on this thread, charged nothing (outside the budget)
                 self._queue.remove(pending)
-            else:
-                self._held -= pending.charged
+                pending.state = "running"
+        if mine:
+            data: bytes | None = None
+            error: BaseException | None = None
+            try:
+                data = pending.read()
+            except BaseException as e:  # the other takers' too
+                error = e
+            with self._cond:
+                pending.data, pending.error, pending.state = data, error, "done"
                 self._cond.notify_all()
-            pending.state = "taken"
-        if pending.data is None and pending.error is None:
+        with self._cond:
+            data, error = pending.data, pending.error
+            self._let_go(pending)
+        if data is None and error is None:  # dropped meanwhile: nothing held for it
             return pending.read()
-        if pending.error is not None:
-            raise pending.error
-        assert pending.data is not None  # done, without an error: it holds the bytes
-        return pending.data
+        if error is not None:
+            raise error
+        assert data is not None
+        return data
+
+    def let_go(self, pending: PendingRead) -> None:
+        """One taker will not take this read after all; the last gives its bytes back."""
+        with self._cond:
+            self._let_go(pending)
 
     def drop(self, pending: PendingRead) -> None:
         """Nobody will take this read (its stream ended): give its bytes back."""
         with self._cond:
-            if pending.state == "queued":
-                self._queue.remove(pending)
-            elif pending.state == "done":
-                self._held -= pending.charged
-                self._cond.notify_all()
-            if pending.state != "taken":
-                pending.state = "dropped" if pending.state != "running" else "orphan"
-            pending.data = None
+            pending.takers = min(pending.takers, 1)
+            self._let_go(pending)
+
+    def _let_go(self, pending: PendingRead) -> None:
+        pending.takers -= 1
+        if pending.takers > 0:
+            return
+        if pending.state == "queued":
+            self._queue.remove(pending)
+            pending.state = "dropped"
+        elif pending.state == "done":
+            self._held -= pending.charged
+            pending.charged = 0
+            pending.state = "taken"
+            self._cond.notify_all()
+        elif pending.state == "running":
+            pending.state = "orphan"  # the I/O thread gives its bytes back when it ends
+        pending.data = None
 
     def depth(self) -> tuple[int, int]:
         """(reads queued or under way, bytes held): the read-ahead depth."""

@@ -95,7 +95,8 @@ class Storage:
         self._bytes = Counter("gpufeed_storage_read_bytes", "Bytes read from storage, per "
                               "source.", ["source"], registry=registry)
         self._seconds = Histogram("gpufeed_storage_read_seconds", "Latency of one read "
-                                  "(a sample, a file, a shard's members), per source.",
+                                  "(a file, a shard sample, an S3 chunk of shard samples), "
+                                  "per source.",
                                   ["source"], buckets=_READ_BUCKETS, registry=registry)
         for source in ("local", "s3"):
             self._bytes.labels(source)
@@ -158,12 +159,14 @@ class Storage:
         self._observe(path, len(data), started)
         return data
 
-    def read_range(self, path: str, offset: int, size: int) -> bytes:
+    def read_range(self, path: str, offset: int, size: int, max_bytes: int | None = None
+                   ) -> bytes:
         """``size`` bytes at ``offset`` (fewer at the end of the file or object): a sample
-        inside a shard, which may be larger than --max-file-bytes; the sample may not."""
+        inside a shard, which may be larger than --max-file-bytes; the sample may not
+        (``max_bytes``: a run of samples' own limit, each checked before)."""
         if size <= 0:
             return b""
-        if size > self.max_file_bytes:
+        if size > (self.max_file_bytes if max_bytes is None else max_bytes):
             raise FileTooLarge(f"sample of {size} bytes, over the limit of {self.max_file_bytes} "
                                f"(gpufeed-server --max-file-bytes)")
         started = time.perf_counter()
@@ -362,8 +365,8 @@ class _ReadAheadDepth:
         stage = self._storage.read_ahead
         queued, held = stage.depth() if stage else (0, 0)
         yield CounterMetricFamily("gpufeed_storage_read_ahead_started", "Reads the I/O "
-                                  "threads started ahead of the decode threads (S3 shard "
-                                  "samples and loose objects).",
+                                  "threads started ahead of the decode threads (chunks of "
+                                  "S3 shard samples, loose objects).",
                                   value=stage.started if stage else 0)
         yield GaugeMetricFamily("gpufeed_storage_read_ahead_reads", "Reads issued ahead of "
                                 "the decode threads and not yet started or taken (S3).",

@@ -17,19 +17,34 @@ parallel on the decode pool, each reading just its own members, never
 extracting anything to disk. ``index`` is a sample's position among all
 samples of the listed shards, in list order.
 
-The unit of reading is one sample: a single ranged read (S3: a GET with a
-``Range``; local: one ``pread``) of the bytes from its first used member (image,
-label, declared fields) to the end of its last: a sample's members are adjacent
-in the tar, so the span is their data and the 512-byte headers between. A pass never reads a whole
-shard for its samples: a rank reads only its own shards' samples, a resume
-mid-shard reads from the sample it resumes at, and the shuffle buffer reads its
-window sample by sample as it delivers them. Why a sample and not a run of
-neighbours coalesced into one larger range: each row decodes on its own
-decode thread as soon as its own bytes are there; a shuffled batch seldom holds
-neighbours; and on S3 the I/O stage (readahead.py) issues a batch's reads at
-once, so their round trips overlap (bench/README.md: 5 ms more per request
-changed nothing measurable). The price is one request per sample, which
-coalescing an unshuffled pass's adjacent samples would cut; that is not done.
+What a sample reads is the bytes from its first used member (image, label,
+declared fields) to the end of its last: a sample's members are adjacent in the
+tar, so the span is their data and the 512-byte headers between. A pass never
+reads a whole shard for its samples: a rank reads only its own shards' samples,
+a resume mid-shard reads from the sample it resumes at.
+
+Locally the unit of reading is one sample (one ``pread`` on the decode thread
+that decodes it: a page-cached read is a short system call). On S3 it is a
+*chunk* (chunks.py): a request costs far more CPU than its bytes (signing, HTTP,
+the object server's answer: ~3 ms per image with one GET per sample,
+bench/README.md), so when a claimed batch needs a sample no chunk holds, one
+ranged GET fetches a run of whole samples starting at it: the sample, then the
+shard's next samples the stream will read and has not read or fetched, up to
+``CHUNK_BYTES`` (4 MiB, chosen by measurement: bench/README.md) and the
+stream's share of the read-ahead budget for samples ahead of its claimed
+batches (``--read-ahead-bytes`` / 4). Each sample is then handed its bytes
+sliced from the chunk (a memoryview; the member handed to the decoder is one
+copy of it, as slicing a sample's own read was), and the chunk is dropped when
+its last sample is taken, or when the stream ends. An unshuffled pass thus
+makes one GET per 4 MiB of samples; a resume starts its first chunk at the
+sample it resumes at; a rank fetches only its own shards. The memory bound per
+stream: its share, plus the chunks of the samples in its claimed batches (what
+reading them one by one held, and at most a chunk more at each end of a run). A
+shuffled pass fetches samples entering the shuffle buffer's window ahead of their
+turn as far as the share holds them (the window is the next paragraphs'), then
+reads one by one. A chunk's GET that fails fails none of its samples by itself:
+each reads its own range again. A sample larger than ``CHUNK_BYTES`` is a chunk
+of its own; one over ``--max-file-bytes`` fails, as a loose file would.
 
 The one read of a whole shard is its index. Tar headers sit between the
 members, so finding them costs either the whole object in one streamed GET (S3)
@@ -56,10 +71,10 @@ The memory bound: the sample delivered at position p is among the first
 p + ``SHUFFLE_BUFFER`` samples of the rank's sequential stream, so the bytes a
 stream touches at any moment lie in a window of ``SHUFFLE_BUFFER`` + (prefetch
 + 1) x batch_size samples of consecutive shards, which reads within a shard
-keep near-sequential (the page cache's read-ahead, or an S3 range read per
-member). The plan itself holds 8 bytes of order and about 40 bytes of index
-per sample (16 more per member extension beyond image and label, which a
-request's fields may name), plus each shard's path.
+keep near-sequential (the page cache's read-ahead, or S3 chunks). The plan
+itself holds 8 bytes of order, about 40 bytes of index per sample (16 more per
+member extension beyond image and label, which a request's fields may name) and
+a byte for which samples the stream reads (chunks.py), plus each shard's path.
 
 Resume is exact at any batch (the position the client sends), since the order
 is computed whole at plan time. A shard whose data ends early (truncated)
@@ -89,8 +104,8 @@ from ..media.decode import DecodeError
 from ..media.fields import SampleFields
 from ..media.samples import Decoders, RowReader
 from ..media.transform import OutputTransform
+from .chunks import ChunkReads
 from .paths import OutsideDataRoots
-from .readahead import StreamReads
 from .roots import Storage, is_s3
 
 __all__ = ["SHUFFLE_BUFFER", "TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet",
@@ -337,6 +352,10 @@ class ShardSet:
                                     + self.num_samples])
         return order
 
+    def shard_end(self, sample: int) -> int:
+        """The index after the last sample of the sample's shard."""
+        return int(self.first[int(self.sample_shard[sample]) + 1])
+
     def locate(self, sample: int) -> tuple[str, ShardIndex, int]:
         """(shard path, its index, the sample's position within it)."""
         shard = int(self.sample_shard[sample])
@@ -378,8 +397,9 @@ class _SamplePaths:
 
     @property
     def nbytes(self) -> int:
-        """The index a plan keeps (counted against the server's memory budget)."""
-        return self._shards.nbytes
+        """The index a plan keeps (counted against the server's memory budget), and a byte
+        per sample: which ones the stream reads (chunks.py)."""
+        return self._shards.nbytes + self._shards.num_samples
 
 
 class ShardRows(RowReader):
@@ -397,23 +417,27 @@ class ShardRows(RowReader):
         self._members = {} if fields is None else {
             name: sidecar.suffix[1:].lower() for name, sidecar in fields.sidecars.items()}
         self.paths = _SamplePaths(shards)
-        self._ahead = StreamReads()  # samples' reads issued ahead (readahead.py)
+        self._s3 = np.asarray([is_s3(path) for path in shards.paths], bool)  # per shard
+        # S3 samples' reads issued ahead, in chunks of whole samples (chunks.py)
+        self._chunks = ChunkReads(shards.num_samples, self._span, shards.shard_end)
+
+    def will_read(self, samples: np.ndarray) -> None:
+        """The samples the stream reads (positions of its batches, padded ones included):
+        a chunk runs over those only."""
+        self._chunks.will_read(samples % max(self.shards.num_samples, 1))
 
     def read_ahead(self, storage: Storage, samples: np.ndarray,
                    paths: Sequence[str] = ()) -> None:
         """Issue the reads of a batch's samples now, when the storage reads ahead (S3)."""
         if storage.read_ahead is None:
             return
-        for sample in samples.tolist():
-            span = self._span(sample)
-            if span is not None and is_s3(span[0]):
-                shard, start, size = span
-                self._ahead.issue(storage.read_ahead, sample, size,
-                                  partial(storage.read_range, shard, start, size))
+        s3 = self._s3[self.shards.sample_shard[samples]]
+        if s3.any():
+            self._chunks.issue(storage, samples[s3].tolist())
 
     def forget(self, storage: Storage) -> None:
         """The stream ended: reads issued for rows nobody will decode give their bytes back."""
-        self._ahead.forget(storage.read_ahead)
+        self._chunks.forget(storage)
 
     def _span(self, sample: int) -> tuple[str, int, int] | None:
         """(shard, offset, size) of the bytes holding a sample's members; None if it fails."""
@@ -453,24 +477,24 @@ class ShardRows(RowReader):
         assert span is not None  # the checks above are the ones that make it None
         _, start, size = span
         with stages["read"].time():
-            data = self._ahead.take(storage.read_ahead, index,
-                                    partial(storage.read_range, shard, start, size))
+            data = self._chunks.take(storage, index,
+                                     partial(storage.read_range, shard, start, size))
         if len(data) < size:
             raise DecodeError(f"truncated shard (sample {n} runs past its end)")
         if self.shards.has_labels:
             at = int(shard_index.label_offset[n]) - start
-            arrays["label"][row] = _label(n, data[at:at + int(shard_index.label_size[n])])
+            arrays["label"][row] = _label(n, bytes(data[at:at + int(shard_index.label_size[n])]))
         at = int(shard_index.image_offset[n]) - start
         image = arrays.get("decoded", arrays["image"])[row]
         with stages["decode"].time():  # the decoder flips, as for loose images
-            window = decoders.image.decode_into(data[at:at + int(shard_index.image_size[n])],
-                                                image, crop, flip)
+            window = decoders.image.decode_into(
+                bytes(data[at:at + int(shard_index.image_size[n])]), image, crop, flip)
             if self.fields is not None:
                 files = {}
                 for name, suffix in self._members.items():
                     offsets, sizes = shard_index.others[suffix]
                     at = int(offsets[n]) - start
-                    files[name] = data[at:at + int(sizes[n])]
+                    files[name] = bytes(data[at:at + int(sizes[n])])
                 sample = self.fields.convert(files, image, window, flip, decoders.max_pixels)
                 self.fields.write(sample, arrays, row)
 
