@@ -38,13 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--data-dir", type=Path, default=_HERE / "data")
+    p.add_argument("--sources", default=",".join(_SOURCES),
+                   help=f"which of {', '.join(_SOURCES)} to measure (default: all)")
     args = p.parse_args(argv)
+    sources = args.sources.split(",")
+    if unknown := set(sources) - set(_SOURCES):
+        p.error(f"--sources: unknown {', '.join(sorted(unknown))}")
     data = dataset.build(args.data_dir / f"jpeg{args.images}", args.images)
     config = Config(root=str(data.root.resolve()), list_file=data.list_file.name,
                     names=data.names, passes=args.passes)
-    results: dict[str, list[dict[str, float]]] = {s: [] for s in _SOURCES}
+    results: dict[str, list[dict[str, float]]] = {s: [] for s in sources}
     for round_ in range(args.rounds):
-        for source in _SOURCES:
+        for source in sources:
             cpu = _measure(config, source)
             results[source].append(cpu)
             print(f"round {round_ + 1}, {source}: " + ", ".join(
