@@ -88,8 +88,8 @@ def _reference(jpeg: bytes) -> np.ndarray:
         return np.asarray(im.convert("RGB").resize(SIZE[::-1], Image.BILINEAR)).transpose(2, 0, 1)
 
 
-@pytest.mark.parametrize("files", [[SHARDS], ["shard-{00..02}.tar"]], ids=["url", "relative"])
-def test_every_sample_once_with_its_label(s3, feed, files):
+def _checked_pass(s3, feed, files: list[str]) -> list[int]:
+    """An unshuffled pass, each sample's label and pixels checked: the indices served."""
     loader = feed.loader(files, batch_size=4, size=SIZE)
     seen = []
     for batch in loader:
@@ -98,8 +98,13 @@ def test_every_sample_once_with_its_label(s3, feed, files):
             assert label == label_of(index)
             assert psnr(image, _reference(s3.jpegs[index])) >= MIN_PSNR_DB
             seen.append(index)
-    assert seen == list(range(sum(COUNTS)))
     assert loader.failures == []
+    return seen
+
+
+@pytest.mark.parametrize("files", [[SHARDS], ["shard-{00..02}.tar"]], ids=["url", "relative"])
+def test_every_sample_once_with_its_label(s3, feed, files):
+    assert _checked_pass(s3, feed, files) == list(range(sum(COUNTS)))
 
 
 def test_shuffle_is_deterministic(feed):
@@ -275,15 +280,8 @@ class _Reads:
 
 def test_an_unshuffled_pass_reads_each_shard_in_one_get(s3, feed, metrics_address):
     reads = _Reads(metrics_address[1])
-    loader = feed.loader([SHARDS], batch_size=4, size=SIZE)
-    seen = []
-    for batch in loader:
-        for index, label, image in zip(batch["index"].tolist(), batch["label"].tolist(),
-                                       batch["image"].numpy()):
-            assert label == label_of(index)
-            assert psnr(image, _reference(s3.jpegs[index])) >= MIN_PSNR_DB
-            seen.append(index)
-    assert seen == list(range(sum(COUNTS))) and loader.failures == []
+    seen = _checked_pass(s3, feed, [SHARDS])
+    assert seen == list(range(sum(COUNTS)))
     # 19 samples: one GET per shard (a chunk runs to the shard's end, within 4 MiB), each
     # byte of the samples' members read once.
     assert reads.since() == (len(COUNTS), _runs_bytes(_sample_spans(s3.shards), seen))

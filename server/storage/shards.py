@@ -38,8 +38,9 @@ copy of it, as slicing a sample's own read was), and the chunk is dropped when
 its last sample is taken, or when the stream ends. An unshuffled pass thus
 makes one GET per 4 MiB of samples; a resume starts its first chunk at the
 sample it resumes at; a rank fetches only its own shards. The memory bound per
-stream: its share, plus the chunks of the samples in its claimed batches (what
-reading them one by one held, and at most a chunk more at each end of a run). A
+stream: its share, plus the chunks that hold samples of its claimed batches
+(each at most ``CHUNK_BYTES``, or one sample), all within the read-ahead budget
+except reads a decode thread makes itself when the I/O stage had no room. A
 shuffled pass fetches samples entering the shuffle buffer's window ahead of their
 turn as far as the share holds them (the window is the next paragraphs'), then
 reads one by one. A chunk's GET that fails fails none of its samples by itself:
