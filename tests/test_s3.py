@@ -1,6 +1,8 @@
 """Shards and loose files in S3-compatible storage, against a real server (SeaweedFS on
 loopback): every sample once with its label, deterministic shuffle, mid-shard resume,
-bad and missing objects failing only their samples, and bucket/prefix confinement."""
+bad and missing objects failing only their samples, and bucket/prefix confinement.
+Shards are read in chunks of whole samples: the server's metrics count the GETs and
+bytes of a pass, a shuffled pass and a resumed one."""
 
 from __future__ import annotations
 
