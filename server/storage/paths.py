@@ -55,6 +55,8 @@ class DataRoots:
         for root in self.roots:
             if not os.path.isdir(root):
                 raise NotADirectoryError(f"data root {root!r} is not a directory")
+        # What a path under each root starts with (root_of runs once per sample read).
+        self._under = tuple(root.rstrip("/") + "/" for root in self.roots)
 
     def locate(self, name: str) -> str:
         """The lexically normalised absolute path for ``name``, before symlinks.
@@ -85,6 +87,32 @@ class DataRoots:
         but a regular file of at most ``max_bytes`` (default ``max_file_bytes``;
         ``flag`` is the server flag that sets it, for the message).
         """
+        return self._open(path, max_bytes, flag)[0]
+
+    def read(self, path: str, max_bytes: int | None = None,
+             flag: str = "--max-file-bytes") -> bytes:
+        """The whole file (checked as by ``open_checked``), read in one allocation of its size.
+
+        Plain ``os.read`` calls on the descriptor, with the size the check's fstat
+        saw: no file object and no second fstat (a sample's read is on every row's
+        path: 75 -> 48 us of CPU per file, one thread, against ~29 for open + read).
+        """
+        fd, size = self._open(path, max_bytes, flag)
+        try:
+            data = os.read(fd, size + 1)
+            while len(data) <= size:  # at the end, or a short read: read on until either
+                more = os.read(fd, size + 1 - len(data))
+                if not more:
+                    break
+                data += more
+        finally:
+            os.close(fd)
+        if len(data) > size:
+            raise NotReadable(f"file grew past its size of {size} bytes while it was read")
+        return data
+
+    def _open(self, path: str, max_bytes: int | None, flag: str) -> tuple[int, int]:
+        """(fd, size) of a located path checked as ``open_checked`` says."""
         # Non-blocking: opening a FIFO (or a device) someone linked in must not hang a thread.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
@@ -95,21 +123,12 @@ class DataRoots:
             os.close(fd)
             raise OutsideDataRoots(f"{path!r} resolves outside the data roots")
         try:
-            _check_file(os.fstat(fd), self.max_file_bytes if max_bytes is None else max_bytes, flag)
+            status = os.fstat(fd)
+            _check_file(status, self.max_file_bytes if max_bytes is None else max_bytes, flag)
         except BaseException:
             os.close(fd)
             raise
-        return fd
-
-    def read(self, path: str, max_bytes: int | None = None,
-             flag: str = "--max-file-bytes") -> bytes:
-        """The whole file (checked as by ``open_checked``), read in one allocation of its size."""
-        with os.fdopen(self.open_checked(path, max_bytes, flag), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            data = f.read(size + 1)
-        if len(data) > size:
-            raise NotReadable(f"file grew past its size of {size} bytes while it was read")
-        return data
+        return fd, status.st_size
 
     def shown(self, path: str) -> str:
         """A located path as a request would name it, for messages: relative to its root."""
@@ -118,8 +137,8 @@ class DataRoots:
 
     def root_of(self, path: str) -> str | None:
         """The root a normalised absolute path lies under (lexically), or None."""
-        for root in self.roots:
-            if path == root or path.startswith(root.rstrip("/") + "/"):
+        for root, under in zip(self.roots, self._under):
+            if path.startswith(under) or path == root:
                 return root
         return None
 
