@@ -87,6 +87,7 @@ class Storage:
             if read_ahead_bytes > 0:
                 self.read_ahead = ReadAhead(io_threads, read_ahead_bytes)
         self._bytes = self._seconds = self._index_bytes = None
+        self._by_source: dict[str, tuple] | None = None
 
     def register_metrics(self, registry) -> None:
         """Per source (local, s3): bytes read and read latency; the read-ahead depth."""
@@ -98,9 +99,9 @@ class Storage:
                                   "(a file, a shard sample, an S3 chunk of shard samples), "
                                   "per source.",
                                   ["source"], buckets=_READ_BUCKETS, registry=registry)
-        for source in ("local", "s3"):
-            self._bytes.labels(source)
-            self._seconds.labels(source)
+        # Each source's two series, looked up once: labels() takes a lock per call.
+        self._by_source = {source: (self._bytes.labels(source), self._seconds.labels(source))
+                           for source in ("local", "s3")}
         self._index_bytes = Counter("gpufeed_storage_index_bytes", "Bytes read to index tar "
                                     "shards (also in gpufeed_storage_read_bytes), per source.",
                                     ["source"], registry=registry)
@@ -196,10 +197,10 @@ class Storage:
         return size, _ObjectBody(self, path, reply["Body"], started)
 
     def _observe(self, path: str, size: int, started: float) -> None:
-        if self._bytes is not None:
-            source = "s3" if is_s3(path) else "local"
-            self._bytes.labels(source).inc(size)
-            self._seconds.labels(source).observe(time.perf_counter() - started)
+        if self._by_source is not None:
+            read_bytes, read_seconds = self._by_source["s3" if is_s3(path) else "local"]
+            read_bytes.inc(size)
+            read_seconds.observe(time.perf_counter() - started)
 
     def open_checked(self, path: str, max_bytes: int | None = None,
                      flag: str = "--max-file-bytes") -> int:
