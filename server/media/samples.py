@@ -14,6 +14,7 @@ import os
 import posixpath
 from collections.abc import Mapping, Sequence
 from functools import partial
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -136,16 +137,26 @@ class ImageRows(RowReader):
     def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
         crop, flip = self.transform.choose(index)
-        with stages["read"].time():
-            data = self._ahead.take(getattr(roots, "read_ahead", None), index,
-                                    partial(roots.read, path))
+        # The stage timers by hand: a Histogram's time() makes a Timer object per use.
+        started = perf_counter()
+        try:
+            stage = getattr(roots, "read_ahead", None)
+            if stage is None:  # local roots: nothing was issued ahead
+                data = roots.read(path)
+            else:
+                data = self._ahead.take(stage, index, partial(roots.read, path))
+        finally:  # timed also when it fails, as the timer did
+            read = perf_counter()
+            stages["read"].observe(read - started)
         image = arrays.get("decoded", arrays["image"])[row]
-        with stages["decode"].time():  # the decoder flips; the batch pass does not
+        try:  # the decoder flips; the batch pass does not
             window = decoders.image.decode_into(data, image, crop, flip)
             if self.fields is not None:
                 # The sample after crop and flip: where a per-sample transform would run.
                 sample = self.fields.read(roots, path, image, window, flip, decoders.max_pixels)
                 self.fields.write(sample, arrays, row)
+        finally:
+            stages["decode"].observe(perf_counter() - read)
 
 
 class VideoRows(RowReader):
