@@ -190,6 +190,11 @@ class OutputTransform:
         self.converts = self.dtype != torch.uint8 or self.channels_last
 
     @property
+    def has_batch_pass(self) -> bool:
+        """Whether ``finish_slot`` does anything: a conversion, or flips of video clips."""
+        return self.converts or bool(self.flip_probability and self.frames)
+
+    @property
     def random(self) -> bool:
         return self.resize == feed_pb2.RESIZE_RANDOM_RESIZED_CROP or self.flip_probability > 0
 
