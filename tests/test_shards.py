@@ -4,6 +4,8 @@ exact resume mid-shard, and bad shards failing only their samples."""
 from __future__ import annotations
 
 import io
+import os
+import time
 
 import grpc
 import numpy as np
@@ -145,3 +147,35 @@ def test_shuffle_buffer_delivers_each_sample_within_its_bound():
     assert sorted(out.tolist()) == stream.tolist()
     assert all(sample < p + 16 for p, sample in enumerate(out.tolist()))
     assert out.tolist() != stream.tolist()
+
+
+def test_many_shards_read_every_sample_once_and_leave_no_shard_open(tmp_path):
+    """A stream keeps a few local shards open at a time (not one per sample, not all of
+    them); every sample is still read once, and none stays open once the stream ends."""
+    counts = [3] * 13  # more shards than a stream keeps open
+    write_shards(tmp_path / "many", counts, name="m-{:04d}.tar")
+    with ServerProcess(["--data-root", str(tmp_path), "--threads", "2"]) as server, \
+            FeedClient(server.address) as client:
+        for shuffle in (False, True):
+            loader = client.loader(["many/m-{0000..0012}.tar"], batch_size=4, size=SIZE,
+                                   shuffle=shuffle, seed=3)
+            seen = [(i, label) for batch in loader
+                    for i, label in zip(batch["index"].tolist(), batch["label"].tolist())]
+            assert sorted(seen) == [(i, label_of(i)) for i in range(sum(counts))]
+            assert loader.failures == []
+        open_shards = _open_shards(server.proc.pid, tmp_path)
+        deadline = time.monotonic() + 10  # the server closes a stream just after its end
+        while open_shards and time.monotonic() < deadline:
+            time.sleep(0.05)
+            open_shards = _open_shards(server.proc.pid, tmp_path)
+        assert open_shards == []
+
+
+def _open_shards(pid: int, folder) -> list[str]:
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            pass
+    return [link for link in links if link.startswith(os.path.realpath(folder))]

@@ -165,20 +165,33 @@ class Storage:
         """``size`` bytes at ``offset`` (fewer at the end of the file or object): a sample
         inside a shard, which may be larger than --max-file-bytes; the sample may not
         (``max_bytes``: a run of samples' own limit, each checked before)."""
-        if size <= 0:
-            return b""
-        if size > (self.max_file_bytes if max_bytes is None else max_bytes):
-            raise FileTooLarge(f"sample of {size} bytes, over the limit of {self.max_file_bytes} "
-                               f"(gpufeed-server --max-file-bytes)")
-        started = time.perf_counter()
-        if is_s3(path):
-            data = self._get(path, f"bytes={offset}-{offset + size - 1}")
-        else:
-            fd = self._local_roots(path).open_checked(path, _CONTAINER)
+        if not is_s3(path):
+            fd = self.open_shard(path)
             try:
-                data = os.pread(fd, size, offset)
+                return self.read_at(fd, path, offset, size, max_bytes)
             finally:
                 os.close(fd)
+        if size <= 0:
+            return b""
+        _check_sample(size, self.max_file_bytes if max_bytes is None else max_bytes)
+        started = time.perf_counter()
+        data = self._get(path, f"bytes={offset}-{offset + size - 1}")
+        self._observe(path, len(data), started)
+        return data
+
+    def open_shard(self, path: str) -> int:
+        """A local shard's descriptor, checked as a sample file is (under a data root, a
+        regular file) but of any size, for ``read_at``."""
+        return self._local_roots(path).open_checked(path, _CONTAINER)
+
+    def read_at(self, fd: int, path: str, offset: int, size: int, max_bytes: int | None = None
+                ) -> bytes:
+        """``read_range`` on a local shard's descriptor from ``open_shard`` (one ``pread``)."""
+        if size <= 0:
+            return b""
+        _check_sample(size, self.max_file_bytes if max_bytes is None else max_bytes)
+        started = time.perf_counter()
+        data = os.pread(fd, size, offset)
         self._observe(path, len(data), started)
         return data
 
@@ -256,6 +269,12 @@ class Storage:
         if self._local is None:
             raise OutsideDataRoots(f"{path!r} is not under a data root")
         return self._local
+
+
+def _check_sample(size: int, limit: int) -> None:
+    if size > limit:
+        raise FileTooLarge(f"sample of {size} bytes, over the limit of {limit} "
+                           f"(gpufeed-server --max-file-bytes)")
 
 
 class _IndexReads:

@@ -24,7 +24,8 @@ reads a whole shard for its samples: a rank reads only its own shards' samples,
 a resume mid-shard reads from the sample it resumes at.
 
 Locally the unit of reading is one sample (one ``pread`` on the decode thread
-that decodes it: a page-cached read is a short system call). On S3 it is a
+that decodes it: a page-cached read is a short system call), on a descriptor
+the stream opened once for the shard (shardfiles.py), not per sample. On S3 it is a
 *chunk* (chunks.py): a request costs far more CPU than its bytes (signing, HTTP,
 the object server's answer: ~3 ms per image with one GET per sample,
 bench/README.md), so when a claimed batch needs a sample no chunk holds, one
@@ -97,6 +98,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -108,6 +110,7 @@ from ..media.transform import OutputTransform
 from .chunks import ChunkReads
 from .paths import OutsideDataRoots
 from .roots import Storage, is_s3
+from .shardfiles import ShardFiles
 
 __all__ = ["SHUFFLE_BUFFER", "TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet",
            "expand_braces", "names_shards"]
@@ -357,11 +360,6 @@ class ShardSet:
         """The index after the last sample of the sample's shard."""
         return int(self.first[int(self.sample_shard[sample]) + 1])
 
-    def locate(self, sample: int) -> tuple[str, ShardIndex, int]:
-        """(shard path, its index, the sample's position within it)."""
-        shard = int(self.sample_shard[sample])
-        return self.paths[shard], self.indexes[shard], sample - int(self.first[shard])
-
 
 def _first_has_label(indexes: list[ShardIndex]) -> bool:
     for index in indexes:
@@ -415,12 +413,13 @@ class ShardRows(RowReader):
         self.transform = transform
         self.shards = shards
         self.fields = fields
-        self._members = {} if fields is None else {
+        self._suffixes = {} if fields is None else {
             name: sidecar.suffix[1:].lower() for name, sidecar in fields.sidecars.items()}
         self.paths = _SamplePaths(shards)
         self._s3 = np.asarray([is_s3(path) for path in shards.paths], bool)  # per shard
         # S3 samples' reads issued ahead, in chunks of whole samples (chunks.py)
         self._chunks = ChunkReads(shards.num_samples, self._span, shards.shard_end)
+        self._files = ShardFiles()  # local shards, open while the stream reads them
 
     def will_read(self, samples: np.ndarray) -> None:
         """The samples the stream reads (positions of its batches, padded ones included):
@@ -437,67 +436,84 @@ class ShardRows(RowReader):
             self._chunks.issue(storage, samples[s3].tolist())
 
     def forget(self, storage: Storage) -> None:
-        """The stream ended: reads issued for rows nobody will decode give their bytes back."""
+        """The stream ended: reads issued for rows nobody will decode give their bytes back,
+        and its local shards are closed."""
         self._chunks.forget(storage)
+        self._files.close()
 
     def _span(self, sample: int) -> tuple[str, int, int] | None:
         """(shard, offset, size) of the bytes holding a sample's members; None if it fails."""
-        shard, shard_index, n = self.shards.locate(sample)
-        if shard_index.problem or shard_index.failure[n] != _OK or \
-                (self.shards.has_labels and shard_index.label_offset[n] < 0):
+        try:
+            _, path, _, start, end = self._members(sample)
+        except (DecodeError, OSError):  # what a shard's problem or a sample's fails with
             return None
-        members = [(int(shard_index.image_offset[n]), int(shard_index.image_size[n]))]
-        if self.shards.has_labels:
-            members.append((int(shard_index.label_offset[n]), int(shard_index.label_size[n])))
-        for suffix in self._members.values():
-            offsets, sizes = shard_index.others.get(suffix, _NONE)
-            if n >= len(offsets) or offsets[n] < 0:
-                return None
-            members.append((int(offsets[n]), int(sizes[n])))
-        start = min(offset for offset, _ in members)
-        return shard, start, max(offset + size for offset, size in members) - start
+        return path, start, end - start
 
-    def read_into(self, storage: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
-                  row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
-        crop, flip = self.transform.choose(index)
-        shard, shard_index, n = self.shards.locate(index)
+    def _members(self, sample: int) -> tuple[int, str, list[tuple[int, int]], int, int]:
+        """(shard number, path, [(offset, size)] of the image, label and fields' members, in
+        that order, and the [start, end) they span); raises what the sample fails with when
+        it fails without a read."""
+        shard = int(self.shards.sample_shard[sample])
+        shard_index = self.shards.indexes[shard]
         if shard_index.problem:
             raise shard_index.problem_error(shard_index.problem)
+        n = sample - int(self.shards.first[shard])
         failure = shard_index.failure[n]
         if failure == _TRUNCATED:
             raise DecodeError(f"truncated shard (sample {n} runs past its end)")
         if failure == _NO_IMAGE:
             raise DecodeError(f"sample {n} has no image member")
-        if self.shards.has_labels and shard_index.label_offset[n] < 0:
-            raise DecodeError(f"sample {n} has no .cls/.txt label member")
-        for name, suffix in self._members.items():
-            offsets, _ = shard_index.others.get(suffix, _NONE)
+        image = int(shard_index.image_offset[n])
+        members = [(image, int(shard_index.image_size[n]))]
+        if self.shards.has_labels:
+            label = int(shard_index.label_offset[n])
+            if label < 0:
+                raise DecodeError(f"sample {n} has no .cls/.txt label member")
+            members.append((label, int(shard_index.label_size[n])))
+        for name, suffix in self._suffixes.items():
+            offsets, sizes = shard_index.others.get(suffix, _NONE)
             if n >= len(offsets) or offsets[n] < 0:
                 raise DecodeError(f"{name}: sample {n} has no .{suffix} member")
-        span = self._span(index)
-        assert span is not None  # the checks above are the ones that make it None
-        _, start, size = span
-        with stages["read"].time():
-            data = self._chunks.take(storage, index,
-                                     partial(storage.read_range, shard, start, size))
-        if len(data) < size:
+            members.append((int(offsets[n]), int(sizes[n])))
+        if len(members) == 1:
+            return shard, self.shards.paths[shard], members, image, image + members[0][1]
+        return shard, self.shards.paths[shard], members, \
+            min(offset for offset, _ in members), max(offset + size for offset, size in members)
+
+    def read_into(self, storage: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
+                  row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
+        crop, flip = self.transform.choose(index)
+        shard, path, members, start, end = self._members(index)
+        # The stage timers by hand, as media/samples.py's: a Histogram's time() makes a Timer.
+        started = perf_counter()
+        try:
+            if self._s3[shard]:
+                data = self._chunks.take(storage, index,
+                                         partial(storage.read_range, path, start, end - start))
+            else:  # one pread on the stream's open descriptor of the shard
+                data = self._files.read(storage, shard, path, start, end - start)
+        finally:
+            read = perf_counter()
+            stages["read"].observe(read - started)
+        if len(data) < end - start:
+            n = index - int(self.shards.first[shard])
             raise DecodeError(f"truncated shard (sample {n} runs past its end)")
         if self.shards.has_labels:
-            at = int(shard_index.label_offset[n]) - start
-            arrays["label"][row] = _label(n, bytes(data[at:at + int(shard_index.label_size[n])]))
-        at = int(shard_index.image_offset[n]) - start
+            at, size = members[1][0] - start, members[1][1]
+            arrays["label"][row] = _label(index - int(self.shards.first[shard]),
+                                          bytes(data[at:at + size]))
+        at, size = members[0][0] - start, members[0][1]
         image = arrays.get("decoded", arrays["image"])[row]
-        with stages["decode"].time():  # the decoder flips, as for loose images
-            window = decoders.image.decode_into(
-                bytes(data[at:at + int(shard_index.image_size[n])]), image, crop, flip)
+        try:  # the decoder flips, as for loose images
+            window = decoders.image.decode_into(bytes(data[at:at + size]), image, crop, flip)
             if self.fields is not None:
-                files = {}
-                for name, suffix in self._members.items():
-                    offsets, sizes = shard_index.others[suffix]
-                    at = int(offsets[n]) - start
-                    files[name] = bytes(data[at:at + int(sizes[n])])
+                sidecars = members[len(members) - len(self._suffixes):]
+                files = {name: bytes(data[offset - start:offset - start + size])
+                         for name, (offset, size) in zip(self._suffixes, sidecars)}
                 sample = self.fields.convert(files, image, window, flip, decoders.max_pixels)
                 self.fields.write(sample, arrays, row)
+        finally:
+            stages["decode"].observe(perf_counter() - read)
 
 
 def _label(n: int, text: bytes) -> int:
