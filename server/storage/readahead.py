@@ -61,7 +61,7 @@ class PendingRead:
     def __init__(self, size: int | None, read: Callable[[], bytes],
                  open: Callable[[], tuple[int, Body]] | None = None, takers: int = 1):
         self.size, self.read, self.open = size, read, open
-        self.takers = takers  # takes (or let_go calls) before its bytes are given back
+        self.takers = takers  # takes before its bytes are given back (or drop)
         self.state = "queued"  # -> running -> done -> taken; or dropped (nobody takes it)
         self.charged = 0  # what it holds of the budget once started
         self.data: bytes | None = None
@@ -128,11 +128,6 @@ class ReadAhead:
             raise error
         assert data is not None
         return data
-
-    def let_go(self, pending: PendingRead) -> None:
-        """One taker will not take this read after all; the last gives its bytes back."""
-        with self._cond:
-            self._let_go(pending)
 
     def drop(self, pending: PendingRead) -> None:
         """Nobody will take this read (its stream ended): give its bytes back."""
