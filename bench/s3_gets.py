@@ -2,7 +2,7 @@
 and chunk size, against SeaweedFS on loopback (issue 15).
 
 Two ways to fetch the same byte range of one object: boto3's ``get_object(Range=...)``
-then ``Body.read()`` (what the server did for every S3 chunk), and an HTTP GET of a
+then ``Body.read()`` (what the server does for every S3 chunk), and an HTTP GET of a
 presigned URL (made once by boto3's own signer, no network call) with a ``Range``
 header on a urllib3 connection pool, the body read whole. Each GET reads the next
 consecutive range of a 64 MiB object of random bytes, one thread, keep-alive. The
