@@ -24,7 +24,7 @@ from gpufeed.v1 import feed_pb2
 
 from .batches import Release, slot_tensors
 from .errors import FeedError
-from .heap import keep_large_buffers
+from .malloc import keep_large_buffers
 
 __all__ = ["DECOMPRESSORS", "InlineBatches", "ReceivedBatch", "parse"]
 
@@ -130,13 +130,13 @@ class InlineBatches:
 
     Nothing is shared with the server, so the slot is released as soon as the
     message is read, whatever the trainer keeps (a ``BatchReader``). The first
-    one raises the process's malloc thresholds (``heap.keep_large_buffers``).
+    one raises the process's malloc thresholds (``malloc.keep_large_buffers``).
     """
 
     shared = False
 
     def __init__(self, header: feed_pb2.StreamHeader, release: Release, copy: bool):
-        keep_large_buffers()  # each batch's bytes reuse the last one's pages (heap.py)
+        keep_large_buffers()  # each batch's bytes reuse the last one's pages (malloc.py)
         self._release = release
         self._copy = copy
         self._decompress: dict[str, Callable] = {}

@@ -108,7 +108,7 @@ def test_an_unknown_compression_is_refused_naming_the_field(array_server):
 
 
 def test_held_inline_batches_keep_their_pixels_while_later_ones_reuse_the_heap(feed, image_names):
-    """The client keeps freed batch buffers for reuse (client/heap.py): a batch the trainer
+    """The client keeps freed batch buffers for reuse (client/malloc.py): a batch the trainer
     still holds is never one of them, so it keeps its pixels while later batches arrive."""
     options = dict(files=image_names[:40], batch_size=8, size=(64, 64))
     held = list(feed.loader(transport="inline", **options))  # every batch's views, kept
@@ -121,7 +121,7 @@ def test_held_inline_batches_keep_their_pixels_while_later_ones_reuse_the_heap(f
 @pytest.mark.parametrize("environment, raised", [({}, "True"),
                                                  ({"MALLOC_TRIM_THRESHOLD_": "131072"}, "False")])
 def test_malloc_thresholds_are_raised_unless_the_trainer_chose_its_own(environment, raised):
-    code = "from gpufeed.client.heap import keep_large_buffers; print(keep_large_buffers())"
+    code = "from gpufeed.client.malloc import keep_large_buffers; print(keep_large_buffers())"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run([sys.executable, "-c", code], env={**env, **environment},
                          capture_output=True, text=True, check=True).stdout
