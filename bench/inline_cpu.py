@@ -11,8 +11,9 @@ does (counts each batch and drops it), over shm and over inline in turn, on one
 server and one client, ``--rounds`` times alternating the order. CPU is each
 process's user and system time from /proc (the server with its descendants,
 the client this process) over the batches after ``--warmup``, and their minor
-page faults; the table gives the median per batch and inline's extra over shm. A CPU measurement: other
-programs' load changes it little, where images/s move a lot.
+page faults; the table gives the median per batch and inline's extra over
+shm. A CPU measurement: other programs' load changes it little, where
+images/s move a lot.
 """
 
 from __future__ import annotations
