@@ -4,6 +4,7 @@ protobuf client parses, and optional lossless compression of array samples."""
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -109,8 +110,9 @@ def test_an_unknown_compression_is_refused_naming_the_field(array_server):
 
 def test_held_inline_batches_keep_their_pixels_while_later_ones_reuse_the_heap(feed, image_names):
     """The client keeps freed batch buffers for reuse (client/malloc.py): a batch the trainer
-    still holds is never one of them, so it keeps its pixels while later batches arrive."""
-    options = dict(files=image_names[:40], batch_size=8, size=(64, 64))
+    still holds is never one of them, so it keeps its pixels while later batches arrive.
+    Batches of 1.2 MB, above glibc's default mmap threshold, so they take that path."""
+    options = dict(files=image_names[:40], batch_size=8, size=(224, 224))
     held = list(feed.loader(transport="inline", **options))  # every batch's views, kept
     shm = _batches(feed.loader(transport="shm", **options))
     assert len(held) == len(shm) == 5
@@ -118,11 +120,34 @@ def test_held_inline_batches_keep_their_pixels_while_later_ones_reuse_the_heap(f
         assert torch.equal(a["image"], b["image"])
 
 
-@pytest.mark.parametrize("environment, raised", [({}, "True"),
-                                                 ({"MALLOC_TRIM_THRESHOLD_": "131072"}, "False")])
-def test_malloc_thresholds_are_raised_unless_the_trainer_chose_its_own(environment, raised):
-    code = "from gpufeed.client.malloc import keep_large_buffers; print(keep_large_buffers())"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", code], env={**env, **environment},
-                         capture_output=True, text=True, check=True).stdout
-    assert out.strip() == raised
+# In a fresh interpreter: optionally the client's malloc settings, then a 20 MB block;
+# prints whether malloc placed it in its own mmap (glibc's mallinfo2: bytes so mapped).
+_WHERE_A_20_MB_BLOCK_GOES = """
+import ctypes, sys
+from gpufeed.client.malloc import keep_large_buffers
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+keep_large_buffers()
+block = bytearray(20 << 20)
+print("mmap" if libc.mallinfo2().hblkhd >= 20 << 20 else "heap")
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and mallinfo2 are glibc's")
+@pytest.mark.parametrize("environment, where", [
+    ({}, "heap"),
+    ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "mmap"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}, "mmap"),
+])
+def test_multi_mb_blocks_come_from_the_heap_unless_the_trainer_chose_its_own(environment, where):
+    """After the client's settings a 20 MB block (a few batches' size) is heap memory that
+    the next batch can reuse; a trainer started with its own malloc settings keeps them."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    out = subprocess.run([sys.executable, "-c", _WHERE_A_20_MB_BLOCK_GOES],
+                         env={**env, **environment}, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == where
