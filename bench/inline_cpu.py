@@ -4,11 +4,14 @@ user/system (issue 18).
 Issue 18's goal is inline's extra CPU over shm <= 2 ms per 4.8 MB batch. The
 bench rows' CPU column sums the whole process tree, where decoding (~30 ms of
 CPU per batch of JPEGs) swamps a few ms of transport. This measures the
-transport alone: a real server subprocess serves ``--samples`` .npy files of
-uint8 [3, 224, 224] (a 4.8 MB batch of 32, the size of a decoded image batch,
-for the price of a page-cache read), and this process reads them as a trainer
-does (counts each batch and drops it), over shm and over inline in turn, on one
-server and one client, ``--rounds`` times alternating the order. CPU is each
+transport alone: a real server subprocess serves .npy files of uint8
+[3, 224, 224] (a 4.8 MB batch of 32, the size of a decoded image batch, for the
+price of a page-cache read), and this process reads them as a trainer does
+(counts each batch and drops it), over shm and over inline in turn, on one
+server and one client, ``--rounds`` times alternating the order. A pass holds
+every warm-up and measured batch (``--samples`` defaults to that many files),
+so each measurement is one stream: a new stream maps and faults in a new shm
+ring, which is set-up, not what moving a batch costs. CPU is each
 process's user and system time from /proc (the server with its descendants,
 the client this process) over the batches after ``--warmup``, and their minor
 page faults; the table gives the median per batch and inline's extra over
@@ -108,7 +111,8 @@ def measure(feed, server_pid: int, names: list[str], transport: str, batches: in
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.inline_cpu",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--samples", type=int, default=256, help=".npy files served (in a pass)")
+    p.add_argument("--samples", type=int, default=None,
+                   help=".npy files served in a pass (default: 32 x (warm-up + batches))")
     p.add_argument("--batches", type=int, default=200, help="measured batches per run")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transports", default=",".join(_TRANSPORTS),
                    help="which of shm, inline to read (default: both; one, e.g. to profile it)")
     args = p.parse_args(argv)
+    samples = args.samples or 32 * (args.warmup + args.batches)
     transports = tuple(args.transports.split(","))
     if set(transports) - set(_TRANSPORTS):
         p.error(f"--transports: one or both of {', '.join(_TRANSPORTS)}")
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
     with tempfile.TemporaryDirectory(prefix="inline-cpu-") as tmp:
-        names = write_samples(Path(tmp), args.samples)
+        names = write_samples(Path(tmp), samples)
         with ServerProcess(["--data-root", tmp, "--threads", str(args.threads)]) as server, \
                 FeedClient(server.address) as feed:
             for round_ in range(args.rounds):
