@@ -24,6 +24,8 @@ import numpy as np
 
 from .seaweed import SeaweedS3
 
+__all__ = ["main"]
+
 _BUCKET, _KEY = "gets", "blob"
 _OBJECT = 64 << 20
 
@@ -54,7 +56,7 @@ def _presigned_readinto(client, pool):
     """The same, the body read into one preallocated buffer through urllib3's readinto."""
     url = client.generate_presigned_url("get_object", Params={"Bucket": _BUCKET, "Key": _KEY},
                                         ExpiresIn=3600)
-    buffer = bytearray(16 << 20)
+    buffer = bytearray(_OBJECT)  # as large as any range of the object
 
     def get(start: int, size: int) -> int:
         reply = pool.request("GET", url, headers={"Range": f"bytes={start}-{start + size - 1}"},
