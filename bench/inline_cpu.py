@@ -22,7 +22,6 @@ images/s move a lot.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import statistics
 import sys
@@ -31,41 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .measure import tree_usage
+
 __all__ = ["main", "measure", "write_samples"]
 
-_TICKS = os.sysconf("SC_CLK_TCK")  # /proc/<pid>/stat counts CPU time in clock ticks
 _SHAPE = (3, 224, 224)
 _TRANSPORTS = ("shm", "inline")
 _CPU = ("server user", "server system", "client user", "client system")
-
-
-def _user_system(root: int) -> tuple[float, float, int]:
-    """User and system CPU seconds and minor page faults of ``root`` and its descendants,
-    from /proc."""
-    stats: dict[int, tuple[int, int, int, int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    raw = f.read().decode()
-            except OSError:
-                continue
-            fields = raw[raw.rindex(")") + 2:].split()
-            # ppid, utime, stime, minflt (stat fields 4, 14, 15, 10)
-            stats[int(entry)] = (int(fields[1]), int(fields[11]), int(fields[12]),
-                                 int(fields[7]))
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, *_) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    user = system = faults = 0
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        if pid in stats:
-            user, system = user + stats[pid][1], system + stats[pid][2]
-            faults += stats[pid][3]
-        todo.extend(children.get(pid, ()))
-    return user / _TICKS, system / _TICKS, faults
 
 
 def _client_user_system() -> tuple[float, float, int]:
@@ -91,16 +62,16 @@ def measure(feed, server_pid: int, names: list[str], transport: str, batches: in
     loader = feed.loader(files=names, batch_size=batch_size, transport=transport,
                          drop_last=True)
     seen = 0
-    start = (_user_system(server_pid), _client_user_system()) if warmup == 0 else None
+    start = (tree_usage(server_pid), _client_user_system()) if warmup == 0 else None
     while start is None or seen < warmup + batches:
         for batch in loader:
             seen += 1
             del batch
             if seen == warmup:
-                start = _user_system(server_pid), _client_user_system()
+                start = tree_usage(server_pid), _client_user_system()
             if seen == warmup + batches:
                 break
-    end = _user_system(server_pid), _client_user_system()
+    end = tree_usage(server_pid), _client_user_system()
     (su0, ss0, sf0), (cu0, cs0, cf0) = start
     (su1, ss1, sf1), (cu1, cs1, cf1) = end
     per = 1000 / batches

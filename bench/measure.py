@@ -29,8 +29,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["Meter", "Result", "TreeCpu", "tree_cpu_seconds", "write_report"]
+__all__ = ["Meter", "Result", "TreeCpu", "tree_cpu_seconds", "tree_usage", "write_report"]
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -170,45 +171,67 @@ class TreeCpu:
         for pid in self._members:
             stat = _stat(pid)
             if stat is not None:
-                self._seconds[pid] = stat[1]
+                self._seconds[pid] = stat.cpu
         return sum(self._seconds.values())
 
 
 def tree_cpu_seconds(root: int | None = None) -> float:
     """User + system CPU seconds of ``root`` (default: this process) and its descendants."""
-    return sum(_tree(os.getpid() if root is None else root).values())
+    return sum(u.cpu for u in _tree(os.getpid() if root is None else root).values())
 
 
-def _tree(root: int) -> dict[int, float]:
-    """CPU seconds of ``root`` and each of its descendants, by pid (one walk of /proc)."""
-    stats: dict[int, tuple[int, float]] = {}
+def tree_usage(root: int) -> tuple[float, float, int]:
+    """User and system CPU seconds and minor page faults of ``root`` and its descendants."""
+    usage = _tree(root).values()
+    return (sum(u.user for u in usage), sum(u.system for u in usage),
+            sum(u.faults for u in usage))
+
+
+class _Usage(NamedTuple):
+    """One process's line of /proc/<pid>/stat, the fields these measurements use."""
+
+    parent: int
+    user: float  # CPU seconds
+    system: float
+    faults: int  # minor page faults
+
+    @property
+    def cpu(self) -> float:
+        return self.user + self.system
+
+
+def _tree(root: int) -> dict[int, _Usage]:
+    """``root`` and each of its descendants, by pid (one walk of /proc)."""
+    stats: dict[int, _Usage] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             stat = _stat(int(entry))
             if stat is not None:
                 stats[int(entry)] = stat
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
+    for pid, stat in stats.items():
+        children.setdefault(stat.parent, []).append(pid)
     found, todo = {}, [root]
     while todo:
         pid = todo.pop()
         if pid in stats:
-            found[pid] = stats[pid][1]
+            found[pid] = stats[pid]
         todo.extend(children.get(pid, ()))
     return found
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, user + system CPU seconds) of ``pid``, or None if it is gone."""
+def _stat(pid: int) -> _Usage | None:
+    """``pid``'s usage, or None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode()
     except OSError:
         return None
     fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
-    # fields[1] is ppid; fields[11], fields[12] are utime, stime (stat fields 14, 15).
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS
+    # fields[1] is ppid, fields[7] minflt, fields[11], fields[12] utime, stime
+    # (stat fields 4, 10, 14, 15).
+    return _Usage(int(fields[1]), int(fields[11]) / _TICKS, int(fields[12]) / _TICKS,
+                  int(fields[7]))
 
 
 def write_report(report: dict, out: Path, name: str, latest: str) -> Path:
