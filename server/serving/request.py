@@ -46,7 +46,14 @@ from ..media.transform import OutputTransform
 from ..memory.budget import default_memory_bytes, return_free_memory
 from ..memory.ring import BatchLayout
 from ..storage.paths import DataRoots, FileTooLarge, LocatedPaths, OutsideDataRoots
-from ..storage.shards import TAKEN_SUFFIXES, ShardRows, ShardSet, locate_shards, names_shards
+from ..storage.shards import (
+    TAKEN_SUFFIXES,
+    ShardRows,
+    ShardSet,
+    TooManyShards,
+    locate_shards,
+    names_shards,
+)
 from .errors import Forbidden, InvalidRequest, LimitExceeded, NotFound, Unsupported
 from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_labels, list_directory
 from .names import SampleNames, TooManyNames
@@ -521,10 +528,16 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
         # types: SampleNames is a sequence of str, not a list
         if not names_shards(names):  # pyright: ignore[reportArgumentType]
             return None
+        # A shard holds at least one sample (an unreadable one counts as one failed
+        # sample): names over --max-samples are refused before they are made.
         # types: as above
-        paths = locate_shards(names, prefix, roots)  # pyright: ignore[reportArgumentType]
+        paths = locate_shards(names, prefix, roots,  # pyright: ignore[reportArgumentType]
+                              limits.max_samples)
     except OutsideDataRoots as e:
         raise Forbidden(f"samples: {e}") from None
+    except TooManyShards as e:
+        raise LimitExceeded(f"{e}, over the server's --max-samples {limits.max_samples} (each "
+                            f"shard counts as one sample at least)") from None
     except ValueError as e:
         raise _invalid(str(e)) from None
     if req.labels or req.label_source != feed_pb2.LABELS_FROM_REQUEST:

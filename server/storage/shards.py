@@ -91,6 +91,7 @@ from __future__ import annotations
 import itertools
 import posixpath
 import re
+import sys
 import tarfile
 import threading
 from collections import OrderedDict
@@ -113,7 +114,7 @@ from .roots import Storage, is_s3
 from .shardfiles import ShardFiles
 
 __all__ = ["SHUFFLE_BUFFER", "TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet",
-           "expand_braces", "names_shards"]
+           "TooManyShards", "expand_braces", "names_shards"]
 
 SHUFFLE_BUFFER = 1000
 _IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
@@ -131,29 +132,48 @@ _NONE = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # an extension no sample
 _OK, _TRUNCATED, _NO_IMAGE, _UNREADABLE = 0, 1, 2, 3
 
 
-def expand_braces(name: str) -> list[str]:
+class TooManyShards(ValueError):
+    """Brace patterns naming more shards than a request may."""
+
+
+def expand_braces(name: str, limit: int = sys.maxsize) -> list[str]:
     """``a-{00..02}.tar`` -> a-00.tar, a-01.tar, a-02.tar; ``{x,y}`` lists; nested in turn.
 
     A numeric range keeps the zero padding of its first bound. ValueError for an
-    unmatched brace or an empty range.
+    unmatched brace or an empty range; TooManyShards, before the names are made,
+    when they would be more than ``limit`` (``{0..999999999}`` is a short request).
+    One group at a time from a work list, not recursion, so any number of groups
+    expands (each name left to expand stands for at least one name).
     """
-    match = _BRACE.search(name)
-    if match is None:
-        if "{" in name or "}" in name:
-            raise ValueError(f"{name!r}: unmatched brace")
-        return [name]
-    body = match.group(1)
-    numeric = _RANGE.match(body)
-    if numeric:
-        first, last = int(numeric.group(1)), int(numeric.group(2))
-        if last < first:
-            raise ValueError(f"{name!r}: the range {{{body}}} is empty")
-        width = len(numeric.group(1))
-        choices = [str(i).zfill(width) for i in range(first, last + 1)]
-    else:
-        choices = body.split(",")
-    head, tail = name[:match.start()], name[match.end():]
-    return [expanded for choice in choices for expanded in expand_braces(head + choice + tail)]
+    done: list[str] = []
+    pending = [name]
+    while pending:
+        current = pending.pop()
+        match = _BRACE.search(current)
+        if match is None:
+            if "{" in current or "}" in current:
+                raise ValueError(f"{name!r}: unmatched brace")
+            done.append(current)
+            continue
+        body = match.group(1)
+        numeric = _RANGE.match(body)
+        if numeric:
+            first, last = int(numeric.group(1)), int(numeric.group(2))
+            if last < first:
+                raise ValueError(f"{name!r}: the range {{{body}}} is empty")
+            count = last - first + 1
+        else:
+            count = body.count(",") + 1
+        if len(done) + len(pending) + count > limit:
+            raise TooManyShards(f"{name!r} names more than {limit} shards")
+        if numeric:
+            width = len(numeric.group(1))
+            choices = [str(i).zfill(width) for i in range(first, last + 1)]
+        else:
+            choices = body.split(",")
+        head, tail = current[:match.start()], current[match.end():]
+        pending += [head + choice + tail for choice in reversed(choices)]
+    return done
 
 
 def names_shards(names: list[str]) -> bool:
@@ -525,14 +545,16 @@ def _label(n: int, text: bytes) -> int:
         raise DecodeError(f"sample {n}'s label {text[:20]!r} is not an integer") from None
 
 
-def locate_shards(names: list[str], prefix: str, storage) -> list[str]:
-    """Every shard's confined path, braces expanded. OutsideDataRoots / ValueError name the item."""
-    paths = []
+def locate_shards(names: list[str], prefix: str, storage, limit: int = sys.maxsize
+                  ) -> list[str]:
+    """Every shard's confined path, braces expanded; at most ``limit`` of them (else
+    TooManyShards). OutsideDataRoots / ValueError name the item."""
+    paths: list[str] = []
     for i, name in enumerate(names):
         try:
-            expanded = expand_braces(prefix + name)
-        except ValueError as e:
-            raise ValueError(f"samples[{i}]: {e}") from None
+            expanded = expand_braces(prefix + name, limit - len(paths))
+        except ValueError as e:  # TooManyShards too, kept as such
+            raise type(e)(f"samples[{i}]: {e}") from None
         for shard in expanded:
             try:
                 paths.append(storage.locate(shard))
