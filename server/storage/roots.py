@@ -247,7 +247,8 @@ class Storage:
                 reply = self._client.get_object(Bucket=bucket, Key=key)
             return _IndexReads(self, path, reply["Body"]), int(reply["ContentLength"])
         file = os.fdopen(self._local_roots(path).open_checked(path, _CONTAINER), "rb")
-        return _IndexReads(self, path, file), os.fstat(file.fileno()).st_size
+        size = os.fstat(file.fileno()).st_size
+        return _IndexReads(self, path, file, size), size
 
     def _observe_index(self, path: str, size: int) -> None:
         if self._index_bytes is not None:
@@ -279,12 +280,21 @@ def _check_sample(size: int, limit: int) -> None:
 
 class _IndexReads:
     """A shard's stream while it is indexed: its reads counted (tarfile reads, seeks and
-    tells through it; a local file seeks over the members' data)."""
+    tells through it; a local file seeks over the members' data).
 
-    def __init__(self, storage: Storage, path: str, stream: IO[bytes]):
+    A local file's reads stop at its size: a tar header may declare any size for the
+    long name or pax record tarfile then reads in one call, and a file object
+    allocates what it is asked for before reading (a 2**62-byte "name" was a
+    MemoryError that failed the whole request instead of the shard).
+    """
+
+    def __init__(self, storage: Storage, path: str, stream: IO[bytes], size: int | None = None):
         self._storage, self._path, self._stream = storage, path, stream
+        self._size = size  # set for a seekable stream
 
     def read(self, size: int = -1) -> bytes:
+        if self._size is not None and size > 0:
+            size = min(size, max(self._size - self._stream.tell(), 0))
         data = self._stream.read(size)
         self._storage._observe_index(self._path, len(data))
         return data
