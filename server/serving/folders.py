@@ -76,7 +76,7 @@ def list_directory(directory: str, name: str, roots: DataRoots, limit: int) -> l
         raise OutsideDataRoots(f"{name!r} resolves outside the data roots")
     files, subdirs = [], []
     for entry in _entries(directory, name):
-        if entry.is_dir():
+        if _is_dir(entry):
             subdirs.append(entry.name)
         elif is_sample_file(entry.name):
             files.append(os.path.join(directory, entry.name))
@@ -103,6 +103,17 @@ def _entries(directory: str, name: str) -> list[os.DirEntry]:
             return list(entries)
     except OSError as e:
         raise FolderError(f"cannot list {name!r}: {e.strerror or e}") from None
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    """Whether an entry is a directory (a symlink followed); False when that cannot be
+    learnt, as ``os.walk`` decides below it: a looping or unreadable symlink is then
+    a file, listed if its name is a sample's and failing alone when read, instead of
+    failing the whole listing."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _walk(top: str, name: str, roots: DataRoots, seen: set[str], limit: int
@@ -200,5 +211,5 @@ def _subdirectories(dataset: str, example: str, roots: DataRoots) -> list[str]:
     if not os.path.isdir(dataset):
         raise FolderError(f"label_source: LABELS_FROM_FOLDER: the dataset directory {shown!r} "
                           f"(of {example!r}) is not a directory on the server", not_found=True)
-    return sorted(entry.name for entry in _entries(dataset, shown) if entry.is_dir())
+    return sorted(entry.name for entry in _entries(dataset, shown) if _is_dir(entry))
 
