@@ -123,6 +123,7 @@ _LABEL_SUFFIXES = ("cls", "txt")
 TAKEN_SUFFIXES = _IMAGE_SUFFIXES + _LABEL_SUFFIXES
 _LABEL_MAX_BYTES = 64
 _INDEX_THREADS = 8
+_INDEX_BATCH = 1024  # shards handed to the index threads at a time
 _CACHED_SHARDS = 4096
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
@@ -262,6 +263,10 @@ def _unreadable(why: str, error: type[Exception] = DecodeError) -> ShardIndex:
                       problem_error=error)
 
 
+# Every missing shard's index: one object, not ~2 KB each (a request may name millions).
+_NOT_FOUND = _unreadable("shard not found", FileNotFoundError)
+
+
 class _IndexCache:
     """Shard indexes by (path, version), least recently used dropped past a bound."""
 
@@ -296,7 +301,7 @@ def index_shard(storage, path: str) -> ShardIndex:
             return cached
         file, size = storage.open_sequential(path)
     except FileNotFoundError:
-        return _unreadable("shard not found", FileNotFoundError)
+        return _NOT_FOUND
     except OSError as e:
         return _unreadable(f"shard unreadable: {e}", OSError)
     with file:
@@ -334,8 +339,11 @@ class ShardSet:
     @classmethod
     def index(cls, storage, paths: list[str]) -> ShardSet:
         """Index every shard (in parallel: S3 reads wait on the network)."""
+        indexes: list[ShardIndex] = []
         with ThreadPoolExecutor(min(_INDEX_THREADS, len(paths))) as pool:
-            indexes = list(pool.map(lambda p: index_shard(storage, p), paths))
+            for start in range(0, len(paths), _INDEX_BATCH):  # not a future per shard at once
+                indexes += pool.map(lambda p: index_shard(storage, p),
+                                    paths[start:start + _INDEX_BATCH])
         return cls(paths, indexes)
 
     @property
