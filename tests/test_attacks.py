@@ -68,9 +68,20 @@ def test_brace_patterns_over_max_samples_are_refused_before_they_expand(feed, pa
 def test_a_pattern_of_thousands_of_brace_groups_is_one_name(feed):
     """Each group was one level of recursion: 5000 of them ended the request UNKNOWN."""
     with pytest.raises(FeedError) as info:
-        feed.loader(["{a}" * 5000 + ".tar"], batch_size=2, size=_SIZE)
+        feed.loader(["{a}" * 20000 + ".tar"], batch_size=2, size=_SIZE)
     assert info.value.code == grpc.StatusCode.NOT_FOUND  # the one name "aaa...a.tar"
     assert "no tar shard could be read" in str(info.value)
+    _serves_shards(feed)
+
+
+def test_a_refusal_naming_a_long_path_arrives_with_its_status(feed):
+    """A status's message is a header: naming a 20,000-character path, it passed the
+    client's 16 KB limit, which then reported RESOURCE_EXHAUSTED instead of the refusal."""
+    name = "x" * 20000 + ".flist"
+    with pytest.raises(FeedError) as info:
+        feed.loader(name, batch_size=2, size=_SIZE)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT  # too long for a file name
+    assert "list_file" in str(info.value) and "bytes left out" in str(info.value)
     _serves_shards(feed)
 
 

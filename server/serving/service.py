@@ -62,6 +62,12 @@ _log = logging.getLogger(__name__)
 # A client whose stream's memory is shared maps or opens it as soon as it reads
 # the header; one that has not after this many seconds never will.
 _ATTACH_GRACE = 10.0
+# A status's message travels as an HTTP/2 header, percent-encoded (up to 3 bytes a
+# byte). A client drops a response whose headers pass 8 KB (grpc's soft limit: at
+# random up to the 16 KB hard one) and reports RESOURCE_EXHAUSTED instead, so a
+# message naming a long path (a request may send 64 MiB of them) is shortened to
+# this many UTF-8 bytes, its start (the field) and end kept.
+_STATUS_MESSAGE_BYTES = 2048
 # The status code a client sees for each way a request is refused or a stream ends
 # (errors.py): chosen here only. ClientGone has none: nobody is left to tell.
 _STATUS = {
@@ -167,6 +173,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
 
     def _refuse(self, context, code: grpc.StatusCode, message: str) -> None:
         """Log, count and end a stream that is not served (raises, as context.abort does)."""
+        message = _status_message(message)
         _log.warning("stream refused: peer=%s status=%s: %s", context.peer(), code.name, message)
         self._metrics.refused(code)
         context.abort(code, message)
@@ -263,7 +270,17 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         # Aborting inside `except` would leave the exception, this frame and the stream
         # (with its plan) in a reference cycle, freed only at a garbage collection.
         if ending is not None and ending[0] is not None:
-            context.abort(*ending)
+            context.abort(ending[0], _status_message(ending[1]))
+
+
+def _status_message(message: str) -> str:
+    """``message``, or its start and end when over ``_STATUS_MESSAGE_BYTES``."""
+    data = message.encode()
+    if len(data) <= _STATUS_MESSAGE_BYTES:
+        return message
+    half = _STATUS_MESSAGE_BYTES // 2
+    head, tail = data[:half].decode(errors="ignore"), data[-half:].decode(errors="ignore")
+    return f"{head} ... ({len(data) - 2 * half} bytes left out) ... {tail}"
 
 
 def _end_stalled(stream: Stream, context, lease_timeout: float) -> None:
