@@ -22,7 +22,7 @@ from gpufeed.client.batches import SharedSlots, slot_tensors
 from gpufeed.server.memory.cuda_ipc import _host_written_spans
 from gpufeed.server.process import ServerProcess
 from gpufeed.server.serving.request import Limits, StreamPlan, plan_stream
-from gpufeed.server.storage.paths import DataRoots
+from gpufeed.server.storage.roots import Storage
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 from support import MIN_PSNR_DB, psnr, reference_decode
 
@@ -60,7 +60,7 @@ def _plan(data_dir, **output) -> StreamPlan:
     request = feed_pb2.StreamRequest(
         files=feed_pb2.FileList(paths=["a.jpg"]), batch_size=4, labels=[3],
         output=feed_pb2.OutputSpec(height=8, width=8, **output))
-    return plan_stream(request, DataRoots([str(data_dir)]), Limits(),
+    return plan_stream(request, Storage([str(data_dir)]), Limits(),
                        (feed_pb2.TRANSPORT_INLINE,))
 
 

@@ -68,9 +68,10 @@ def test_a_stream_refuses_the_release_of_a_batch_not_yet_sent(data_dir, image_na
     from gpufeed.server.serving.pool import DecodePool
     from gpufeed.server.serving.request import Limits, plan_stream
     from gpufeed.server.serving.stream import Stream
+    from gpufeed.server.storage.roots import Storage
     from gpufeed.v1 import feed_pb2
 
-    roots = DataRoots([str(data_dir)])
+    roots = Storage([str(data_dir)])
     request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=image_names[:8]), batch_size=2,
                                      output=feed_pb2.OutputSpec(height=8, width=8), prefetch=1,
                                      transport=feed_pb2.TRANSPORT_INLINE)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ArrayRows", "Decoders", "ImageRows", "RowReader", "VideoRows", "is_sample_file",
-    "sample_kind",
+    "sample_kind", "timed_read",
 ]
 
 IMAGE, VIDEO, ARRAYS = "image", "video", "arrays"
@@ -64,13 +64,32 @@ def sample_kind(names: Sequence[str]) -> str:
         if suffix and name.endswith(suffix) and name[-len(suffix) - 1:-len(suffix)] not in "/.":
             continue
         if kind_of(name) != first:
-            raise ValueError(f"samples: {names[0]!r} is {_a(first)} but {name!r} is "
-                             f"{_a(kind_of(name))}; one stream serves one kind")
+            raise ValueError(f"samples: {names[0]!r} is {_kind_phrase(first)} but {name!r} "
+                             f"is {_kind_phrase(kind_of(name))}; one stream serves one kind")
     return first
 
 
-def _a(kind: str) -> str:
+_Data = TypeVar("_Data")  # what a read returns: bytes, or a view of a chunk
+
+
+def _kind_phrase(kind: str) -> str:
     return {IMAGE: "an image", VIDEO: "a video", ARRAYS: "an array file"}[kind]
+
+
+def timed_read(stages: Mapping[str, Any], read: Callable[[], _Data]) -> tuple[_Data, float]:
+    """``read()``'s bytes, its time observed in ``stages["read"]`` (also when it fails,
+    so slow failures show in the histogram), and the ``perf_counter`` at its end, from
+    which the caller times its decode into ``stages["decode"]``.
+
+    Timed by hand: a Histogram's ``time()`` would make a Timer object per sample.
+    """
+    started = perf_counter()
+    try:
+        data = read()
+    finally:
+        ended = perf_counter()
+        stages["read"].observe(ended - started)
+    return data, ended
 
 
 class Decoders:
@@ -119,9 +138,9 @@ class ImageRows(RowReader):
         self._ahead = StreamReads()  # S3 objects' reads issued ahead (storage/readahead.py)
 
     def read_ahead(self, roots: Storage, samples: np.ndarray, paths: Sequence[str]) -> None:
-        """Issue the reads of a batch's S3 objects now, when the storage reads ahead (plain
-        local ``DataRoots`` have no I/O stage)."""
-        stage = getattr(roots, "read_ahead", None)
+        """Issue the reads of a batch's S3 objects now, when the storage reads ahead (it
+        has no I/O stage without S3 roots)."""
+        stage = roots.read_ahead
         if stage is None:
             return
         for sample in samples.tolist():
@@ -132,22 +151,17 @@ class ImageRows(RowReader):
 
     def forget(self, roots: Storage) -> None:
         """The stream ended: reads issued for rows nobody will decode give their bytes back."""
-        self._ahead.forget(getattr(roots, "read_ahead", None))
+        self._ahead.forget(roots.read_ahead)
 
     def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
         crop, flip = self.transform.choose(index)
-        # The stage timers by hand: a Histogram's time() makes a Timer object per use.
-        started = perf_counter()
-        try:
-            stage = getattr(roots, "read_ahead", None)
-            if stage is None:  # local roots: nothing was issued ahead
-                data = roots.read(path)
-            else:
-                data = self._ahead.take(stage, index, partial(roots.read, path))
-        finally:  # timed also when it fails, as the timer did
-            read = perf_counter()
-            stages["read"].observe(read - started)
+        stage = roots.read_ahead
+        if stage is None:  # local roots: nothing was issued ahead
+            data, read = timed_read(stages, partial(roots.read, path))
+        else:
+            data, read = timed_read(stages, partial(self._ahead.take, stage, index,
+                                                    partial(roots.read, path)))
         image = arrays.get("decoded", arrays["image"])[row]
         try:  # the decoder flips; the batch pass does not
             window = decoders.image.decode_into(data, image, crop, flip)

@@ -106,7 +106,7 @@ import numpy as np
 
 from ..media.decode import DecodeError
 from ..media.fields import SampleFields
-from ..media.samples import Decoders, RowReader
+from ..media.samples import Decoders, RowReader, timed_read
 from ..media.transform import OutputTransform
 from .chunks import ChunkReads
 from .paths import OutsideDataRoots
@@ -512,17 +512,13 @@ class ShardRows(RowReader):
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
         crop, flip = self.transform.choose(index)
         shard, path, members, start, end = self._members(index)
-        # The stage timers by hand, as media/samples.py's: a Histogram's time() makes a Timer.
-        started = perf_counter()
-        try:
-            if self._s3[shard]:
-                data = self._chunks.take(storage, index,
-                                         partial(storage.read_range, path, start, end - start))
-            else:  # one pread on the stream's open descriptor of the shard
-                data = self._files.read(storage, shard, path, start, end - start)
-        finally:
-            read = perf_counter()
-            stages["read"].observe(read - started)
+        if self._s3[shard]:
+            data, read = timed_read(stages, partial(
+                self._chunks.take, storage, index,
+                partial(storage.read_range, path, start, end - start)))
+        else:  # one pread on the stream's open descriptor of the shard
+            data, read = timed_read(stages, partial(self._files.read, storage, shard, path,
+                                                    start, end - start))
         if len(data) < end - start:
             n = index - int(self.shards.first[shard])
             raise DecodeError(f"truncated shard (sample {n} runs past its end)")
