@@ -29,6 +29,8 @@ import os
 import posixpath
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import IO
 
 from .paths import DEFAULT_MAX_FILE_BYTES, DataRoots, FileTooLarge, OutsideDataRoots
@@ -171,13 +173,8 @@ class Storage:
                 return self.read_at(fd, path, offset, size, max_bytes)
             finally:
                 os.close(fd)
-        if size <= 0:
-            return b""
-        _check_sample(size, self.max_file_bytes if max_bytes is None else max_bytes)
-        started = time.perf_counter()
-        data = self._get(path, f"bytes={offset}-{offset + size - 1}")
-        self._observe(path, len(data), started)
-        return data
+        return self._read_sample(path, size, max_bytes,
+                                 partial(self._get, path, f"bytes={offset}-{offset + size - 1}"))
 
     def open_shard(self, path: str) -> int:
         """A local shard's descriptor, checked as a sample file is (under a data root, a
@@ -187,11 +184,20 @@ class Storage:
     def read_at(self, fd: int, path: str, offset: int, size: int, max_bytes: int | None = None
                 ) -> bytes:
         """``read_range`` on a local shard's descriptor from ``open_shard`` (one ``pread``)."""
+        return self._read_sample(path, size, max_bytes, partial(os.pread, fd, size, offset))
+
+    def _read_sample(self, path: str, size: int, max_bytes: int | None,
+                     read: Callable[[], bytes]) -> bytes:
+        """``read()`` of a shard sample's ``size`` bytes (or a run of samples'), refused
+        before reading past its limit, and counted."""
         if size <= 0:
             return b""
-        _check_sample(size, self.max_file_bytes if max_bytes is None else max_bytes)
+        limit = self.max_file_bytes if max_bytes is None else max_bytes
+        if size > limit:
+            raise FileTooLarge(f"sample of {size} bytes, over the limit of {limit} "
+                               f"(gpufeed-server --max-file-bytes)")
         started = time.perf_counter()
-        data = os.pread(fd, size, offset)
+        data = read()
         self._observe(path, len(data), started)
         return data
 
@@ -270,12 +276,6 @@ class Storage:
         if self._local is None:
             raise OutsideDataRoots(f"{path!r} is not under a data root")
         return self._local
-
-
-def _check_sample(size: int, limit: int) -> None:
-    if size > limit:
-        raise FileTooLarge(f"sample of {size} bytes, over the limit of {limit} "
-                           f"(gpufeed-server --max-file-bytes)")
 
 
 class _IndexReads:
