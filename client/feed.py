@@ -54,8 +54,8 @@ def _sample_transforms(transforms: Sequence[str | tuple[str, dict]]
 class FeedClient:
     """Connections to ``address`` ("host:port", or several). A context manager.
 
-    With several addresses, a loader splits its shard statically over the
-    servers and reassigns a server's part to the others if it goes away (see
+    With several addresses, a loader deals its pass's batches over the servers
+    in turn and moves a server's part to another if it goes away (see
     loader.py). ``credentials`` (e.g. ``grpc.ssl_channel_credentials(ca_pem)``)
     makes the channels TLS; ``token`` is sent as ``authorization: Bearer
     <token>`` on every call. A server that has not answered within
@@ -142,9 +142,9 @@ class FeedClient:
                 the pass, 0 the server's default (10 samples or 0.1%).
             reconnect_timeout: seconds to keep reconnecting after a server that
                 has answered becomes unavailable (0: never); one that never
-                answered fails at once.
+                answered fails within ``connect_timeout``.
             job: share one pass with every loader naming the same job (one
-                server only; see gpufeed/server/serving/sources.py for what
+                server only; see gpufeed.server.serving.sources for what
                 that keeps and loses).
             fields: a sample's fields beside its image, each from a sidecar
                 file: names (``["mask", "boxes", "meta"]``, default sidecars)

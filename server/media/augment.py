@@ -357,9 +357,6 @@ _WIDE_OPS = (
     ("AutoContrast", lambda bins: None, False),
     ("Equalize", lambda bins: None, False),
 )
-WIDE_OPS = tuple(name for name, _, _ in _WIDE_OPS)
-
-
 def apply_wide_op(image: torch.Tensor, op: str, magnitude: float,
                   fill: list[float] | None = None) -> torch.Tensor:
     """One of TrivialAugmentWide's operations at ``magnitude``, as torchvision applies it."""

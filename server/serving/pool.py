@@ -8,7 +8,8 @@ round-robin order: a stream with many batches queued (a large prefetch) gets
 the same share of decode as a stream with one, so it cannot starve it. Within
 a stream, rows are taken in the order they were submitted, so its earliest
 batch completes first. Python work per row is a lock and a few deque
-operations; the decode and scale themselves run inside FFmpeg without the GIL.
+operations; the decode and scale themselves run inside the decoders (libjpeg-turbo's
+C extension, FFmpeg) and C kernels, without the GIL.
 """
 
 from __future__ import annotations

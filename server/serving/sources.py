@@ -19,10 +19,11 @@ once across consumers, as with tf.data service).
 A job lives in the server's memory, and keeps only its place in the pass (a few
 counters and the batches given back): the samples each batch holds come from
 each consumer's own plan, which goes when its stream ends. So a job whose last
-consumer has left holds next to nothing (four abandoned 2M-sample jobs once
-held 1.3 GB of plans), and it is kept so that a consumer that reconnects or is
-restarted continues the pass: for ten minutes, and at most 256 jobs without a
-consumer, the one idle longest forgotten first. A job that is forgotten, or
+consumer has left holds next to nothing (a plan costs bytes per sample, so
+keeping idle jobs' plans would cost gigabytes for large passes), and it is
+kept so that a consumer that reconnects or is restarted continues the pass:
+for ten minutes, and at most 256 jobs without a consumer, the one idle longest
+forgotten first. A job that is forgotten, or
 lost in a server restart, starts its pass again with its next consumer.
 """
 
