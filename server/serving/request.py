@@ -128,15 +128,11 @@ class StreamPlan:
         return self.paths.nbytes + self.batches.order.nbytes + labels
 
 
-def _invalid(message: str) -> InvalidRequest:
-    return InvalidRequest(message)
-
-
 def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
                 transports: tuple[int, ...]) -> StreamPlan:
     names, listed_labels, prefix = _sample_names(req, roots, limits)
     if not names:
-        raise _invalid("samples: the list is empty")
+        raise InvalidRequest("samples: the list is empty")
     shards = _tar_shards(req, names, prefix, roots, limits)  # tar shards (shards.py), or None
     if shards:
         paths, labels, classes, kind = None, None, [], IMAGE
@@ -147,15 +143,15 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
         try:
             kind = sample_kind(names)
         except ValueError as e:
-            raise _invalid(str(e)) from None
+            raise InvalidRequest(str(e)) from None
 
     if req.batch_size <= 0:
-        raise _invalid(f"batch_size must be positive, got {req.batch_size}")
+        raise InvalidRequest(f"batch_size must be positive, got {req.batch_size}")
     world_size = req.world_size or 1
     if world_size < 0:
-        raise _invalid(f"world_size must be positive, got {world_size}")
+        raise InvalidRequest(f"world_size must be positive, got {world_size}")
     if not 0 <= req.rank < world_size:
-        raise _invalid(f"rank must be in [0, world_size={world_size}), got {req.rank}")
+        raise InvalidRequest(f"rank must be in [0, world_size={world_size}), got {req.rank}")
     # Every split over ranks carries `padded` (order.py), so a trainer's keys do
     # not depend on whether world_size happens to divide the data set.
     extra = _own_arrays(labels is not None or bool(shards and shards.has_labels),
@@ -175,8 +171,8 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
 
     prefetch = req.prefetch or limits.default_prefetch
     if not 0 < prefetch <= limits.max_prefetch:
-        raise _invalid(f"prefetch must be in 1..{limits.max_prefetch} (the server's "
-                       f"--max-prefetch), got {prefetch}")
+        raise InvalidRequest(f"prefetch must be in 1..{limits.max_prefetch} (the server's "
+                             f"--max-prefetch), got {prefetch}")
     if layout.slot_bytes > limits.max_batch_bytes and fields is not None:
         _check_field_bytes(req.batch_size, fields, layout.slot_bytes, limits.max_batch_bytes)
     if layout.slot_bytes > limits.max_batch_bytes:
@@ -190,12 +186,13 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
         name = feed_pb2.Transport.Name(transport) if transport in feed_pb2.Transport.values() \
             else str(transport)
         offered = ", ".join(feed_pb2.Transport.Name(t) for t in transports)
-        raise _invalid(f"transport: {name} is not offered by this server (offered: {offered})")
+        raise InvalidRequest(f"transport: {name} is not offered by this server (offered: "
+                             f"{offered})")
 
     compression, compress = _compression(req.compression, transport)
     if shards and len(shards.paths) < world_size:
-        raise _invalid(f"world_size: {world_size} ranks but {len(shards.paths)} tar shards; "
-                       f"each rank reads whole shards")
+        raise InvalidRequest(f"world_size: {world_size} ranks but {len(shards.paths)} tar shards; "
+                             f"each rank reads whole shards")
     order = (shards.order if shards else partial(shard_order, len(names)))(
         rank=req.rank, world_size=world_size, shuffle=req.shuffle, seed=req.seed, epoch=req.epoch)
     whole = split_batches(order, req.batch_size, req.drop_last)
@@ -221,8 +218,8 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
 def _compression(name: str, transport: int) -> tuple[str, Callable | None]:
     """The compression an inline stream asked for, and its compressor; none for zero-copy."""
     if name and name not in COMPRESSORS:
-        raise _invalid(f"compression: {name!r} is not one of {', '.join(sorted(COMPRESSORS))} "
-                       f"(or empty for none)")
+        raise InvalidRequest(f"compression: {name!r} is not one of "
+                             f"{', '.join(sorted(COMPRESSORS))} (or empty for none)")
     if not name or transport != feed_pb2.TRANSPORT_INLINE:
         return "", None
     try:
@@ -236,12 +233,13 @@ def _served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:
     """The pass's batches this stream serves: every ``batch_stride``-th from ``batch_offset``."""
     stride = req.batch_stride or 1
     if stride < 0:
-        raise _invalid(f"batch_stride must be >= 0, got {req.batch_stride}")
+        raise InvalidRequest(f"batch_stride must be >= 0, got {req.batch_stride}")
     if not 0 <= req.batch_offset < stride:
-        raise _invalid(f"batch_offset must be in [0, batch_stride={stride}), "
+        raise InvalidRequest(f"batch_offset must be in [0, batch_stride={stride}), "
                        f"got {req.batch_offset}")
     if stride > 1 and req.job:
-        raise _invalid("batch_stride: a shared job serves the whole pass; give one or the other")
+        raise InvalidRequest("batch_stride: a shared job serves the whole pass; give one or the "
+                             "other")
     # types: Batches' stub types a slice as an array
     return batches[req.batch_offset::stride]  # pyright: ignore[reportReturnType]
 
@@ -251,25 +249,26 @@ def _start_batch(req: feed_pb2.StreamRequest, in_pass: int, served: int) -> int:
     position in the whole pass) falls in the part this stream serves."""
     if req.pass_start_batch:
         if req.start_batch:
-            raise _invalid("pass_start_batch: give start_batch or pass_start_batch, not both")
+            raise InvalidRequest("pass_start_batch: give start_batch or pass_start_batch, not both")
         if not 0 <= req.pass_start_batch <= in_pass:
-            raise _invalid(f"pass_start_batch must be in 0..{in_pass} (batches in the pass), "
-                           f"got {req.pass_start_batch}")
+            raise InvalidRequest(f"pass_start_batch must be in 0..{in_pass} (batches in the pass), "
+                                 f"got {req.pass_start_batch}")
         # The part's batches are the pass's batch_offset, batch_offset + stride, ...:
         # it starts after those of them that come before the position.
         stride = req.batch_stride or 1
         return min(max(0, -(-(req.pass_start_batch - req.batch_offset) // stride)), served)
     if not 0 <= req.start_batch <= served:
-        raise _invalid(f"start_batch must be in 0..{served} (batches in this stream), "
-                       f"got {req.start_batch}")
+        raise InvalidRequest(f"start_batch must be in 0..{served} (batches in this stream), "
+                             f"got {req.start_batch}")
     return req.start_batch
 
 
 def _failure_budget(req: feed_pb2.StreamRequest, num_samples: int, limits: Limits) -> int:
     if req.max_failures < 0:
-        raise _invalid(f"max_failures must be >= 0, got {req.max_failures}")
+        raise InvalidRequest(f"max_failures must be >= 0, got {req.max_failures}")
     if not 0 <= req.max_failure_fraction <= 1:
-        raise _invalid(f"max_failure_fraction must be in [0, 1], got {req.max_failure_fraction}")
+        raise InvalidRequest("max_failure_fraction must be in [0, 1], got "
+                             f"{req.max_failure_fraction}")
     count, fraction = req.max_failures, req.max_failure_fraction
     if count == 0 and fraction == 0:
         count, fraction = limits.default_max_failures, limits.default_max_failure_fraction
@@ -281,20 +280,21 @@ def _fields(req: feed_pb2.StreamRequest, kind: str, shards: bool) -> SampleField
     if not req.fields:
         return None
     if kind != IMAGE:
-        raise _invalid(f"fields: only image samples take fields; these are "
-                       f"{'video clips' if kind == VIDEO else 'array files'}")
+        raise InvalidRequest(f"fields: only image samples take fields; these are "
+                             f"{'video clips' if kind == VIDEO else 'array files'}")
     try:
         fields = SampleFields(req.fields, req.output.height, req.output.width)
     except FieldError as e:
-        raise _invalid(str(e)) from None
+        raise InvalidRequest(str(e)) from None
     for name, sidecar in fields.sidecars.items() if shards else ():
         at = fields.declared_at(name)
         if sidecar.tree_from:
-            raise _invalid(f"{at}.tree_from: a tar shard's fields are members of its samples; "
-                           f"there is no tree to rename")
+            raise InvalidRequest(f"{at}.tree_from: a tar shard's fields are members of its "
+                                 "samples; there is no tree to rename")
         if sidecar.suffix[1:].lower() in TAKEN_SUFFIXES:
-            raise _invalid(f"{at}.suffix: in a tar shard {sidecar.suffix!r} is an image or label "
-                           f"member; name the member's whole extension, such as '.seg.png'")
+            raise InvalidRequest(f"{at}.suffix: in a tar shard {sidecar.suffix!r} is an image "
+                                 "or label member; name the member's whole extension, such as "
+                                 "'.seg.png'")
     return fields
 
 
@@ -306,8 +306,8 @@ def _check_field_bytes(batch_size: int, fields: SampleFields, slot_bytes: int,
     share = batch_size * np.dtype(dtype).itemsize * int(np.prod(shape))
     at = fields.declared_at(name)
     what = f"{at}.max_items" if name != MASK else f"{at} (the mask, output size)"
-    raise _invalid(f"{what}: {name} takes {share} bytes of a batch of {slot_bytes}, over the "
-                   f"server's --max-batch-bytes of {limit}; lower it or batch_size")
+    raise InvalidRequest(f"{what}: {name} takes {share} bytes of a batch of {slot_bytes}, over the "
+                         f"server's --max-batch-bytes of {limit}; lower it or batch_size")
 
 
 def _pixels(req: feed_pb2.StreamRequest, kind: str, fields: SampleFields | None = None
@@ -315,29 +315,29 @@ def _pixels(req: feed_pb2.StreamRequest, kind: str, fields: SampleFields | None 
     """The output transform and row reader of an image or video stream."""
     height, width = req.output.height, req.output.width
     if height == width == 0:
-        raise _invalid("output: size is required for images and video: give the output's "
-                       "(height, width), one int for a square (size=224); only array files "
-                       "take none, got (0, 0)")
+        raise InvalidRequest("output: size is required for images and video: give the output's "
+                             "(height, width), one int for a square (size=224); only array files "
+                             "take none, got (0, 0)")
     if not (0 < height <= _MAX_SIDE and 0 < width <= _MAX_SIDE):
-        raise _invalid(f"output: size must be within 1..{_MAX_SIDE} on each side, "
-                       f"got ({height}, {width})")
+        raise InvalidRequest(f"output: size must be within 1..{_MAX_SIDE} on each side, "
+                             f"got ({height}, {width})")
     if not 0 <= req.output.shorter_side <= _MAX_SIDE:  # images are scaled to it before the crop
-        raise _invalid(f"output.shorter_side must be within 0..{_MAX_SIDE}, "
-                       f"got {req.output.shorter_side}")
+        raise InvalidRequest(f"output.shorter_side must be within 0..{_MAX_SIDE}, "
+                             f"got {req.output.shorter_side}")
     clip = req.clip
     if kind == VIDEO:
         if clip.frames <= 0 or clip.stride < 0:
-            raise _invalid(f"clip: video samples need clip.frames > 0 (and stride >= 0), got "
-                           f"frames={clip.frames}, stride={clip.stride}")
+            raise InvalidRequest(f"clip: video samples need clip.frames > 0 (and stride >= 0), got "
+                                 f"frames={clip.frames}, stride={clip.stride}")
         if req.output.resize != feed_pb2.RESIZE_SQUASH:
-            raise _invalid("output.resize: video clips are squashed; crops are for images")
+            raise InvalidRequest("output.resize: video clips are squashed; crops are for images")
     elif clip.frames:
-        raise _invalid("clip: only video samples take a clip spec")
+        raise InvalidRequest("clip: only video samples take a clip spec")
     try:
         transform = OutputTransform(req.output, req.seed, req.epoch,
                                     frames=clip.frames if kind == VIDEO else 0)
     except ValueError as e:
-        raise _invalid(str(e)) from None
+        raise InvalidRequest(str(e)) from None
     if kind == VIDEO:
         return transform, VideoRows(transform, clip.frames, clip.stride or 1, clip.random_start)
     return transform, ImageRows(transform, fields)
@@ -349,13 +349,13 @@ def _sample_transforms(req: feed_pb2.StreamRequest, kind: str,
     if not req.sample_transforms:
         return None
     if kind != IMAGE:
-        raise _invalid("sample_transforms: only image samples take sample transforms "
-                       "(not video clips or array files)")
+        raise InvalidRequest("sample_transforms: only image samples take sample transforms "
+                             "(not video clips or array files)")
     try:
         return SampleTransforms.from_request(req.sample_transforms, req.seed, req.epoch,
                                              fields.sidecars if fields else ())
     except ValueError as e:
-        raise _invalid(str(e)) from None
+        raise InvalidRequest(str(e)) from None
 
 
 def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarray]:
@@ -369,14 +369,14 @@ def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarra
         raise NotFound(f"samples[0]: {name!r} not found; the first array file sets the "
                        f"batch layout") from None
     except (OSError, DecodeError) as e:
-        raise _invalid(f"samples[0]: {name!r}: {e}") from None
+        raise InvalidRequest(f"samples[0]: {name!r}: {e}") from None
     for key, values in first.items():
         if values.dtype.kind not in "biufc":
-            raise _invalid(f"samples[0]: {name!r}: {key!r} is {values.dtype}, which has no "
-                           f"tensor type")
+            raise InvalidRequest(f"samples[0]: {name!r}: {key!r} is {values.dtype}, which has no "
+                                 f"tensor type")
         if key in ("index", "label", "padded"):
-            raise _invalid(f"samples[0]: {name!r}: the key {key!r} is reserved for gpufeed's own "
-                           f"tensors; rename it")
+            raise InvalidRequest(f"samples[0]: {name!r}: the key {key!r} is reserved for "
+                                 "gpufeed's own tensors; rename it")
     return first
 
 
@@ -419,21 +419,23 @@ def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: np.ndarra
     """Per-sample labels (or None) and, for folder labels, the class names."""
     source = req.label_source
     if req.labels and source != feed_pb2.LABELS_FROM_REQUEST:
-        raise _invalid("labels: give labels or label_source, not both")
+        raise InvalidRequest("labels: give labels or label_source, not both")
     if req.classes and source != feed_pb2.LABELS_FROM_FOLDER:
-        raise _invalid("classes: only folder labels (LABELS_FROM_FOLDER) take class names")
+        raise InvalidRequest("classes: only folder labels (LABELS_FROM_FOLDER) take class names")
     if source == feed_pb2.LABELS_FROM_REQUEST:
         if not req.labels:
             return None, []
         if len(req.labels) != len(samples.paths):
-            raise _invalid(f"labels: {len(req.labels)} labels for {len(samples.paths)} samples")
+            raise InvalidRequest(f"labels: {len(req.labels)} labels for {len(samples.paths)} "
+                                 "samples")
         return np.asarray(req.labels, dtype=np.int64), []
     if source == feed_pb2.LABELS_FROM_LIST_FILE:
         if listed is None:
-            raise _invalid("label_source: LABELS_FROM_LIST_FILE needs a list_file")
+            raise InvalidRequest("label_source: LABELS_FROM_LIST_FILE needs a list_file")
         if samples.listings:
-            raise _invalid(f"list_file: {samples.names[samples.listings[0].start]!r} comes from "
-                           f"a directory; labels from the list file need one file per line")
+            raise InvalidRequest(f"list_file: {samples.names[samples.listings[0].start]!r} "
+                                 "comes from a directory; labels from the list file need one "
+                                 "file per line")
         return listed, []
     if source == feed_pb2.LABELS_FROM_FOLDER:
         try:
@@ -442,7 +444,7 @@ def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: np.ndarra
             raise Forbidden(f"label_source: {e}") from None
         except FolderError as e:
             raise (NotFound if e.not_found else InvalidRequest)(str(e)) from None
-    raise _invalid(f"label_source: unknown value {source}")
+    raise InvalidRequest(f"label_source: unknown value {source}")
 
 
 def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits
@@ -456,15 +458,15 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits
     if kind == "files":
         return _pack(req.files.paths, limits), None, req.prefix
     if kind != "list_file":
-        raise _invalid("samples: give either files or list_file")
+        raise InvalidRequest("samples: give either files or list_file")
     if "\0" in req.list_file:
-        raise _invalid(f"list_file: {req.list_file!r} contains a NUL byte")
+        raise InvalidRequest(f"list_file: {req.list_file!r} contains a NUL byte")
     try:
         path = roots.locate(req.list_file)
         if os.path.isdir(path):
             if req.label_source == feed_pb2.LABELS_FROM_LIST_FILE:
-                raise _invalid(f"list_file: {req.list_file!r} is a directory; labels from the "
-                               f"list file need a list file")
+                raise InvalidRequest(f"list_file: {req.list_file!r} is a directory; labels from "
+                                     "the list file need a list file")
             return _pack([req.list_file], limits), None, ""
         data = roots.read(path, limits.max_list_bytes, "--max-list-bytes")
     except OutsideDataRoots as e:
@@ -475,7 +477,7 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits
     except FileTooLarge as e:
         raise LimitExceeded(f"list_file: {req.list_file!r} is a {e}") from None
     except OSError as e:
-        raise _invalid(f"list_file: cannot read {req.list_file!r}: {e}") from None
+        raise InvalidRequest(f"list_file: cannot read {req.list_file!r}: {e}") from None
     lines = _list_lines(data)
     if req.label_source != feed_pb2.LABELS_FROM_LIST_FILE:
         return _pack(lines, limits, req.list_file), None, req.prefix
@@ -492,7 +494,7 @@ def _pack(names: Iterable[str], limits: Limits, list_file: str = "") -> SampleNa
         raise LimitExceeded(f"samples: more than {limits.max_samples} samples, over the "
                             f"server's --max-samples {limits.max_samples}") from None
     except UnicodeDecodeError as e:
-        raise _invalid(f"list_file: cannot read {list_file!r}: {e}") from None
+        raise InvalidRequest(f"list_file: cannot read {list_file!r}: {e}") from None
 
 
 def _list_lines(data: bytes) -> Iterator[str]:
@@ -517,7 +519,8 @@ def _split_labels(lines: Iterable[str], labels: array) -> Iterator[str]:
         except (ValueError, OverflowError):
             tab = ""
         if not tab:
-            raise _invalid(f"list_file: line {number} is not `path<TAB>integer label`: {line!r}")
+            raise InvalidRequest(f"list_file: line {number} is not `path<TAB>integer label`: "
+                                 f"{line!r}")
         yield name
 
 
@@ -539,10 +542,10 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
         raise LimitExceeded(f"{e}, over the server's --max-samples {limits.max_samples} (each "
                             f"shard counts as one sample at least)") from None
     except ValueError as e:
-        raise _invalid(str(e)) from None
+        raise InvalidRequest(str(e)) from None
     if req.labels or req.label_source != feed_pb2.LABELS_FROM_REQUEST:
-        raise _invalid("labels: tar shards carry their labels (.cls or .txt members); "
-                       "give neither labels nor label_source")
+        raise InvalidRequest("labels: tar shards carry their labels (.cls or .txt members); "
+                             "give neither labels nor label_source")
     shards = ShardSet.index(roots, paths)
     if shards.num_samples > limits.max_samples:
         raise LimitExceeded(f"samples: the shards hold {shards.num_samples} samples, over the "
@@ -563,7 +566,7 @@ def _sample_files(names: SampleNames, prefix: str, roots: DataRoots, max_samples
     """
     if "\0" in prefix or names.contains("\0"):  # a list file's line too: no path holds one
         i = next(i for i, name in enumerate(names) if "\0" in prefix + name)
-        raise _invalid(f"samples[{i}]: {prefix + names[i]!r} contains a NUL byte")
+        raise InvalidRequest(f"samples[{i}]: {prefix + names[i]!r} contains a NUL byte")
     if all(is_sample_file(name) for name in names):
         return SampleFiles(names, _located(names, prefix, roots))
     found_names: list[str] = []
@@ -582,10 +585,10 @@ def _sample_files(names: SampleNames, prefix: str, roots: DataRoots, max_samples
         except TooManyFiles as e:
             raise LimitExceeded(f"samples[{i}]: {e}") from None
         except FolderError as e:
-            raise _invalid(f"samples[{i}]: {e}") from None
+            raise InvalidRequest(f"samples[{i}]: {e}") from None
         if not listed:
-            raise _invalid(f"samples[{i}]: the directory {name!r} holds no image, video or "
-                           f"array files")
+            raise InvalidRequest(f"samples[{i}]: the directory {name!r} holds no image, video or "
+                                 f"array files")
         start = len(found_paths)
         found_paths += listed
         found_names += [posixpath.join(name, os.path.relpath(p, path)) for p in listed]
