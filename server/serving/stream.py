@@ -91,7 +91,9 @@ class SlotBatch:
         indices, self.padded = samples_at(stream.plan.batches[number], len(stream.plan.paths))  # pyright: ignore[reportArgumentType]
         self.indices = indices
         self.arrays = stream.plan.layout.views(stream.ring.slot(slot))
-        # (row, category, detail) while decoding; (index, category, reason) once finished.
+        # (row, category, detail) of each row that failed, while decoding
+        self._failed_rows: list[tuple[int, int, str]] = []
+        # (sample index, category, reason naming the file), sorted, once finished
         self.failures: list[tuple[int, int, str]] = []
         self.rows = len(indices)
         # Variable-length fields, packed: entries sent of each (fields.py), by name.
@@ -113,7 +115,7 @@ class SlotBatch:
                 failure = sample_failure(e, index, stream.plan.paths[index])
         with stream.cond:
             if failure is not None:
-                self.failures.append((row, *failure))
+                self._failed_rows.append((row, *failure))
             self._pending -= 1
             last = self._pending == 0
         if last:  # every row is written: this thread alone finishes the batch, unlocked
@@ -191,16 +193,16 @@ class SlotBatch:
         fill index/label/padded, run the batch pass on the host."""
         plan = self._stream.plan
         ok = np.ones(len(self.indices), dtype=bool)
-        for row, _, _ in self.failures:
+        for row, _, _ in self._failed_rows:
             ok[row] = False
-        self._stream.metrics.failed([category for _, category, _ in self.failures])
+        self._stream.metrics.failed([category for _, category, _ in self._failed_rows])
         # Each reason names its file: a trainer that named a directory has no list to
         # look the index up in.
         roots = self._stream.roots
         self.failures = sorted(
             (index, category, f"{roots.shown(plan.paths[index])}: {why}")
             for index, category, why in ((int(self.indices[row]), category, why)
-                                         for row, category, why in self.failures))
+                                         for row, category, why in self._failed_rows))
         kept, padded = self.indices[ok], self.padded[ok]
         rows = len(kept)
         if 0 < rows < len(self.indices):
