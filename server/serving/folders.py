@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..media.samples import is_sample_file
-from ..storage.paths import DataRoots, OutsideDataRoots
+from ..storage.paths import OutsideDataRoots
+from ..storage.roots import Storage
 
 __all__ = ["FolderError", "Listing", "SampleFiles", "folder_labels", "list_directory"]
 
@@ -64,7 +65,7 @@ class SampleFiles:
     listings: list[Listing] = field(default_factory=list)
 
 
-def list_directory(directory: str, name: str, roots: DataRoots, limit: int) -> list[str]:
+def list_directory(directory: str, name: str, roots: Storage, limit: int) -> list[str]:
     """The sample files under ``directory`` (located), in ImageFolder's order.
 
     ``name`` is how the request named it, for messages. Raises OutsideDataRoots
@@ -116,7 +117,7 @@ def _is_dir(entry: os.DirEntry) -> bool:
         return False
 
 
-def _walk(top: str, name: str, roots: DataRoots, seen: set[str], limit: int
+def _walk(top: str, name: str, roots: Storage, seen: set[str], limit: int
           ) -> list[tuple[str, list[str]]]:
     """(directory, sample file names) for every directory under ``top``, ``top`` included.
 
@@ -145,7 +146,7 @@ def _walk(top: str, name: str, roots: DataRoots, seen: set[str], limit: int
     return found
 
 
-def folder_labels(samples: SampleFiles, classes: list[str], roots: DataRoots
+def folder_labels(samples: SampleFiles, classes: list[str], roots: Storage
                   ) -> tuple[np.ndarray, list[str]]:
     """Each sample's label (its class folder's number) and the classes; see the module doc.
 
@@ -178,7 +179,7 @@ def folder_labels(samples: SampleFiles, classes: list[str], roots: DataRoots
     return labels, list(classes)
 
 
-def _class_folders(samples: SampleFiles, roots: DataRoots) -> tuple[list[str], list[str]]:
+def _class_folders(samples: SampleFiles, roots: Storage) -> tuple[list[str], list[str]]:
     """Each sample's class folder name and dataset directory (located)."""
     folders, datasets = [], []
     listed = iter(samples.listings)
@@ -203,7 +204,7 @@ def _class_folders(samples: SampleFiles, roots: DataRoots) -> tuple[list[str], l
     return folders, datasets
 
 
-def _subdirectories(dataset: str, example: str, roots: DataRoots) -> list[str]:
+def _subdirectories(dataset: str, example: str, roots: Storage) -> list[str]:
     """ImageFolder's classes: the sorted names of the directories in ``dataset``."""
     shown = roots.shown(dataset)
     if roots.root_of(os.path.realpath(dataset)) is None:

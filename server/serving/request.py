@@ -45,7 +45,8 @@ from ..media.samples import (
 from ..media.transform import OutputTransform
 from ..memory.budget import default_memory_bytes, return_free_memory
 from ..memory.ring import BatchLayout
-from ..storage.paths import DataRoots, FileTooLarge, LocatedPaths, OutsideDataRoots
+from ..storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots
+from ..storage.roots import Storage
 from ..storage.shards import (
     TAKEN_SUFFIXES,
     ShardRows,
@@ -128,7 +129,7 @@ class StreamPlan:
         return self.paths.nbytes + self.batches.order.nbytes + labels
 
 
-def plan_stream(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits,
+def plan_stream(req: feed_pb2.StreamRequest, roots: Storage, limits: Limits,
                 transports: tuple[int, ...]) -> StreamPlan:
     names, listed_labels, prefix = _sample_names(req, roots, limits)
     if not names:
@@ -358,7 +359,7 @@ def _sample_transforms(req: feed_pb2.StreamRequest, kind: str,
         raise InvalidRequest(str(e)) from None
 
 
-def _first_arrays(path: str, name: str, roots: DataRoots) -> dict[str, np.ndarray]:
+def _first_arrays(path: str, name: str, roots: Storage) -> dict[str, np.ndarray]:
     """The first sample's arrays, which set the stream's layout."""
     try:
         with os.fdopen(roots.open_checked(path), "rb") as file:
@@ -415,7 +416,7 @@ def _image_layout(batch_size: int, transform: OutputTransform, own: list[tuple],
 
 
 def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: np.ndarray | None,
-            roots: DataRoots) -> tuple[np.ndarray | None, list[str]]:
+            roots: Storage) -> tuple[np.ndarray | None, list[str]]:
     """Per-sample labels (or None) and, for folder labels, the class names."""
     source = req.label_source
     if req.labels and source != feed_pb2.LABELS_FROM_REQUEST:
@@ -447,7 +448,7 @@ def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: np.ndarra
     raise InvalidRequest(f"label_source: unknown value {source}")
 
 
-def _sample_names(req: feed_pb2.StreamRequest, roots: DataRoots, limits: Limits
+def _sample_names(req: feed_pb2.StreamRequest, roots: Storage, limits: Limits
                   ) -> tuple[SampleNames, np.ndarray | None, str]:
     """The sample names, the list file's labels when label_source asks for them, the prefix.
 
@@ -525,7 +526,7 @@ def _split_labels(lines: Iterable[str], labels: array) -> Iterator[str]:
 
 
 def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
-                roots: DataRoots, limits: Limits) -> ShardSet | None:
+                roots: Storage, limits: Limits) -> ShardSet | None:
     """The named tar shards, indexed (shards.py); None when the names are loose files."""
     try:
         # types: SampleNames is a sequence of str, not a list
@@ -556,7 +557,7 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
     return shards
 
 
-def _sample_files(names: SampleNames, prefix: str, roots: DataRoots, max_samples: int
+def _sample_files(names: SampleNames, prefix: str, roots: Storage, max_samples: int
                   ) -> SampleFiles:
     """Located paths, each directory among them replaced by the files under it.
 
@@ -599,7 +600,7 @@ def _sample_files(names: SampleNames, prefix: str, roots: DataRoots, max_samples
     return SampleFiles(SampleNames.pack(found_names), SampleNames.pack(found_paths), listings)
 
 
-def _located(names: SampleNames, prefix: str, roots: DataRoots) -> LocatedPaths:
+def _located(names: SampleNames, prefix: str, roots: Storage) -> LocatedPaths:
     """The names' paths, every one checked to lie under the roots (lexically) now.
 
     A relative name without ``..`` after a relative prefix without one cannot

@@ -148,8 +148,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         reserved = 0
         try:
             try:
-                # types: Storage is DataRoots' drop-in (storage/roots.py)
-                plan = plan_stream(first.open, self._roots, self._limits, self.transports)  # pyright: ignore[reportArgumentType]
+                plan = plan_stream(first.open, self._roots, self._limits, self.transports)
                 reserved = self._memory.reserve(
                     plan.num_slots * plan.layout.slot_bytes + plan.nbytes,
                     f"this stream ({plan.num_slots} slots of {plan.layout.slot_bytes} bytes, "

@@ -23,6 +23,7 @@ import errno
 import os
 import stat
 from collections.abc import Sequence
+from typing import Protocol
 
 __all__ = ["DEFAULT_MAX_FILE_BYTES", "DataRoots", "FileTooLarge", "LocatedPaths",
            "NotReadable", "OutsideDataRoots"]
@@ -154,6 +155,13 @@ def _check_file(status: os.stat_result, max_bytes: int, flag: str) -> None:
                           f"(gpufeed-server {flag})")
 
 
+class _Locates(Protocol):
+    """What confines a name to the data roots: ``DataRoots``, or roots.py's ``Storage``
+    (local roots and S3 prefixes)."""
+
+    def locate(self, name: str) -> str: ...
+
+
 class LocatedPaths(Sequence[str]):
     """``roots.locate(prefix + names[i])``, worked out when a sample is read.
 
@@ -161,7 +169,7 @@ class LocatedPaths(Sequence[str]):
     locating again per read keeps the plan as compact as its names.
     """
 
-    def __init__(self, names: Sequence[str], prefix: str, roots: DataRoots):
+    def __init__(self, names: Sequence[str], prefix: str, roots: _Locates):
         self.names = names
         self._prefix = prefix
         self._roots = roots

@@ -69,7 +69,8 @@ class _S3Root:
 
 
 class Storage:
-    """Reads confined to the data roots, local or S3; a drop-in for ``DataRoots``."""
+    """Reads confined to the data roots, local (paths.py's ``DataRoots``) or S3 prefixes:
+    the one object the server reads through."""
 
     def __init__(self, roots: list[str], s3_endpoint: str | None = None,
                  max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, connections: int = 10,
