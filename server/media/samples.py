@@ -28,6 +28,7 @@ from .transform import CLIP, OutputTransform, sample_draws
 from .video import VideoDecoder, centred_start, random_start
 
 if TYPE_CHECKING:
+    from ..storage.paths import SamplePaths
     from ..storage.roots import Storage
 
 __all__ = [
@@ -121,7 +122,7 @@ class RowReader(Protocol):
     def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None: ...
 
-    def read_ahead(self, roots: Storage, samples: np.ndarray, paths: Sequence[str]) -> None:
+    def read_ahead(self, roots: Storage, samples: np.ndarray, paths: SamplePaths) -> None:
         """Issue the reads of a claimed batch's ``samples`` (``paths[i]``: sample i's located
         path) now (default: nothing)."""
 
@@ -137,7 +138,7 @@ class ImageRows(RowReader):
         self.fields = fields
         self._ahead = StreamReads()  # S3 objects' reads issued ahead (storage/readahead.py)
 
-    def read_ahead(self, roots: Storage, samples: np.ndarray, paths: Sequence[str]) -> None:
+    def read_ahead(self, roots: Storage, samples: np.ndarray, paths: SamplePaths) -> None:
         """Issue the reads of a batch's S3 objects now, when the storage reads ahead (it
         has no I/O stage without S3 roots)."""
         stage = roots.read_ahead

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..media.samples import is_sample_file
-from ..storage.paths import OutsideDataRoots
+from ..storage.paths import LocatedPaths, OutsideDataRoots
 from ..storage.roots import Storage
+from .names import SampleNames
 
 __all__ = ["FolderError", "Listing", "SampleFiles", "folder_labels", "list_directory"]
 
@@ -61,7 +62,7 @@ class SampleFiles:
     paths (packed sequences, request.py), and which of them came from which listing."""
 
     names: Sequence[str]
-    paths: Sequence[str]
+    paths: LocatedPaths | SampleNames
     listings: list[Listing] = field(default_factory=list)
 
 

@@ -45,7 +45,7 @@ from ..media.samples import (
 from ..media.transform import OutputTransform
 from ..memory.budget import default_memory_bytes, return_free_memory
 from ..memory.ring import BatchLayout
-from ..storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots
+from ..storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots, SamplePaths
 from ..storage.roots import Storage
 from ..storage.shards import (
     TAKEN_SUFFIXES,
@@ -93,7 +93,7 @@ class Limits:
 class StreamPlan:
     """Everything a stream needs, checked: located paths, labels, batches, output."""
 
-    paths: LocatedPaths  # or, for tar shards, each sample's shard (shards.py)
+    paths: SamplePaths
     reader: RowReader
     labels: np.ndarray | None
     classes: list[str]
@@ -198,8 +198,8 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: Storage, limits: Limits,
         rank=req.rank, world_size=world_size, shuffle=req.shuffle, seed=req.seed, epoch=req.epoch)
     whole = split_batches(order, req.batch_size, req.drop_last)
     batches = _served_batches(req, whole)
-    # types: paths: LocatedPaths, a shard set's, or a list: all index by sample
-    plan = StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,  # pyright: ignore[reportArgumentType]
+    assert paths is not None  # the shards' reader made them above
+    plan = StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,
                       batches=batches,
                       start_batch=_start_batch(req, len(whole), len(batches)), layout=layout,
                       transform=transform,

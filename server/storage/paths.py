@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 __all__ = ["DEFAULT_MAX_FILE_BYTES", "DataRoots", "FileTooLarge", "LocatedPaths",
-           "NotReadable", "OutsideDataRoots"]
+           "NotReadable", "OutsideDataRoots", "SamplePaths"]
 
 # Sample files larger than this are refused before reading (gpufeed-server --max-file-bytes).
 DEFAULT_MAX_FILE_BYTES = 1 << 30
@@ -153,6 +153,20 @@ def _check_file(status: os.stat_result, max_bytes: int, flag: str) -> None:
     if status.st_size > max_bytes:
         raise FileTooLarge(f"file of {status.st_size} bytes, over the limit of {max_bytes} "
                           f"(gpufeed-server {flag})")
+
+
+class SamplePaths(Protocol):
+    """A stream's path of each sample, by index: ``LocatedPaths`` for files, each
+    sample's shard for tar shards (shards.py); what a stream and its reader use of it."""
+
+    def __getitem__(self, index: int, /) -> str: ...
+
+    def __len__(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int:
+        """What it keeps in memory (counted against the server's budget)."""
+        ...
 
 
 class _Locates(Protocol):

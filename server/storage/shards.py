@@ -95,7 +95,7 @@ import sys
 import tarfile
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -109,7 +109,7 @@ from ..media.fields import SampleFields
 from ..media.samples import Decoders, RowReader, timed_read
 from ..media.transform import OutputTransform
 from .chunks import ChunkReads
-from .paths import OutsideDataRoots
+from .paths import OutsideDataRoots, SamplePaths
 from .roots import Storage, is_s3
 from .shardfiles import ShardFiles
 
@@ -454,8 +454,8 @@ class ShardRows(RowReader):
         a chunk runs over those only."""
         self._chunks.will_read(samples % max(self.shards.num_samples, 1))
 
-    def read_ahead(self, storage: Storage, samples: np.ndarray,
-                   paths: Sequence[str] = ()) -> None:
+    def read_ahead(self, storage: Storage, samples: np.ndarray, paths: SamplePaths
+                   ) -> None:
         """Issue the reads of a batch's samples now, when the storage reads ahead (S3)."""
         if storage.read_ahead is None:
             return
