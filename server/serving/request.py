@@ -131,6 +131,16 @@ class StreamPlan:
 
 def plan_stream(req: feed_pb2.StreamRequest, roots: Storage, limits: Limits,
                 transports: tuple[int, ...]) -> StreamPlan:
+    """``req`` checked into a plan, or the refusal (errors.py) naming the field at fault.
+
+    In order: the sample names (files, list file, directories; bounded by the
+    limits before they are built); tar shards, indexed, or loose files, located
+    under the roots, with their labels and kind; the batch's geometry, fields,
+    transforms and layout; prefetch and the batch's size against the limits; the
+    transport and compression; the sample order and the batches this stream
+    serves. The plan's memory is reserved by the servicer afterwards, once its
+    size is known, so that a refused request reserves nothing.
+    """
     names, listed_labels, prefix = _sample_names(req, roots, limits)
     if not names:
         raise InvalidRequest("samples: the list is empty")
