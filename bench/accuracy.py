@@ -38,7 +38,7 @@ def crop_psnr(paths: list[str], size: tuple[int, int], seed: int = 0, epoch: int
     from PIL import Image
 
     from gpufeed.server.media.decode import ImageDecoder
-    from gpufeed.server.media.transform import OutputTransform
+    from gpufeed.server.media.output import OutputTransform
     from gpufeed.v1 import feed_pb2
 
     spec = feed_pb2.OutputSpec(height=size[0], width=size[1],

@@ -19,7 +19,7 @@ import torch
 from PIL import Image, ImageOps
 
 from gpufeed.server.media import augment
-from gpufeed.server.media.transform import sample_rng
+from gpufeed.server.media.output import sample_rng
 
 SIZE = 48
 N = 24

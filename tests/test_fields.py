@@ -23,7 +23,7 @@ from gpufeed.client import FeedError, Field, metadata, split
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.media.decode import DecodeError
 from gpufeed.server.media.fields import Sidecar
-from gpufeed.server.media.transform import OutputTransform, sample_draws
+from gpufeed.server.media.output import OutputTransform, sample_draws
 from gpufeed.v1 import feed_pb2
 from support import psnr
 

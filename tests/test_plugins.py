@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gpufeed.client import FeedClient, FeedError
-from gpufeed.server.media.transform import sample_rng
+from gpufeed.server.media.output import sample_rng
 from gpufeed.server.process import ServerProcess
 
 _PLUGIN = '''

@@ -58,7 +58,7 @@ def run(config, meter) -> str:
 def cpu_ms_per_image(datas: list[bytes], size: tuple[int, int], resize: str) -> float:
     """One thread's CPU ms per image to choose each sample's crop and flip and decode it."""
     from gpufeed.server.media.decode import ImageDecoder
-    from gpufeed.server.media.transform import OutputTransform
+    from gpufeed.server.media.output import OutputTransform
     from gpufeed.v1 import feed_pb2
 
     spec = feed_pb2.OutputSpec(height=size[0], width=size[1], flip_probability=0.5,

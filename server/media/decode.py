@@ -1,6 +1,6 @@
 """Decode an encoded image straight into its row of a batch.
 
-Crop, then scale: a sample's crop box (server/media/transform.py) says which window
+Crop, then scale: a sample's crop box (server/media/output.py) says which window
 of the source becomes the output, and only that window is resized.
 
 - JPEG (YCbCr, RGB, grayscale) goes through the fast path in server/media/jpeg.py
@@ -54,7 +54,7 @@ from av.video.reformatter import Interpolation, VideoReformatter
 from . import jpeg
 from .containers import HEAD_BYTES, IMAGE_FORMATS, image_format, open_container
 from .headers import declared_size
-from .transform import Box, CropRule
+from .output import Box, CropRule
 
 __all__ = ["DecodeError", "ImageDecoder", "OverLimit", "SourceWindow", "RgbScaler", "decode_frame"]
 

@@ -34,7 +34,7 @@ import torch
 
 from .. import transforms as registry
 from .fields import row_sample
-from .transform import sample_rng
+from .output import sample_rng
 
 __all__ = ["SampleTransforms", "TransformFailed", "set_process_count", "shutdown_processes"]
 

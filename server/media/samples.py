@@ -24,7 +24,7 @@ from ..storage.roots import is_s3
 from .arrays import array_layout, check, read_arrays
 from .decode import DEFAULT_MAX_PIXELS, ImageDecoder
 from .fields import SampleFields
-from .transform import CLIP, OutputTransform, sample_draws
+from .output import CLIP, OutputTransform, sample_draws
 from .video import VideoDecoder, centred_start, random_start
 
 if TYPE_CHECKING:

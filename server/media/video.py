@@ -48,7 +48,7 @@ from av.error import FFmpegError
 
 from .containers import HEAD_BYTES, VIDEO_FORMATS, open_container, video_format
 from .decode import DEFAULT_MAX_PIXELS, DecodeError, OverLimit, RgbScaler
-from .transform import SampleDraws
+from .output import SampleDraws
 
 __all__ = ["VideoDecoder", "centred_start", "random_start"]
 

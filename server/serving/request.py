@@ -30,6 +30,7 @@ from gpufeed.v1.vocabulary import BFLOAT16
 from ..media.arrays import read_arrays
 from ..media.decode import DecodeError
 from ..media.fields import MASK, FieldError, SampleFields
+from ..media.output import OutputTransform
 from ..media.pipeline import SampleTransforms
 from ..media.samples import (
     ARRAYS,
@@ -42,7 +43,6 @@ from ..media.samples import (
     is_sample_file,
     sample_kind,
 )
-from ..media.transform import OutputTransform
 from ..memory.budget import default_memory_bytes, return_free_memory
 from ..memory.ring import BatchLayout
 from ..storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots, SamplePaths

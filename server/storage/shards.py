@@ -106,8 +106,8 @@ import numpy as np
 
 from ..media.decode import DecodeError
 from ..media.fields import SampleFields
+from ..media.output import OutputTransform
 from ..media.samples import Decoders, RowReader, timed_read
-from ..media.transform import OutputTransform
 from .chunks import ChunkReads
 from .paths import OutsideDataRoots, SamplePaths
 from .roots import Storage, is_s3
