@@ -71,6 +71,10 @@ _TRIM_AFTER_BYTES = 8 << 20
 
 @dataclass(frozen=True)
 class Limits:
+    """What a request is checked against (plan_stream, the servicer). The server's other
+    limits are enforced where the bytes are, so they are app.py's ServerConfig's: the
+    decoders' --max-pixels, the storage's --max-file-bytes, gRPC's --max-request-bytes."""
+
     # A request that sets no failure budget tolerates this many bad samples, or
     # this fraction of its samples if that is more: a few bad files in a large
     # data set are normal, a directory of them is a mistake worth stopping for.
