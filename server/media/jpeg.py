@@ -11,7 +11,8 @@ API, the calls TensorFlow's ``decode_and_crop_jpeg`` uses. For one sample it:
 - resizes the decoded window to H x W with Pillow's bilinear filter (a
   triangle widened by the shrink factor) over the box's exact, sub-pixel
   position, writing the ``uint8 [3, H, W]`` row directly (mirrored for a flip:
-  the output columns' weights are taken in reverse order, so it costs nothing);
+  the output columns' weights are taken in reverse order, so it costs nothing),
+  with AVX2 where the CPU has it, SSE2 otherwise, to the same integers;
 
 all with the GIL released. Against Pillow (crop, then bilinear resize) it is
 within one level per pixel without DCT scaling; bench/README.md gives the
@@ -50,7 +51,7 @@ def describe() -> str:
     """One line for the start-up log: which JPEG decoder this server uses, and why."""
     if AVAILABLE:
         return (f"JPEG decoder: libjpeg-turbo crop + DCT-scaled decode (libjpeg API "
-                f"{_jpeg.LIBJPEG_VERSION})")
+                f"{_jpeg.LIBJPEG_VERSION}), {_jpeg.RESIZE_SIMD} resize")
     return (f"JPEG decoder: PyAV (FFmpeg mjpeg), whole image; the libjpeg-turbo fast path "
             f"was not built ({_MISSING}; install libjpeg-turbo's headers and reinstall)")
 
