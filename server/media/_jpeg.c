@@ -303,26 +303,43 @@ static void horizontal(const int16_t *src, int first, const axis_t *xs, const pa
 }
 
 #ifdef HAVE_AVX2_PASSES
-/* pixel_sums() for two output pixels at once, one in each 128-bit half. */
-AVX2 static inline __m256i pixel_sums2(const int16_t *s0, const int16_t *s1, const int32_t *w0,
-                                       const int32_t *w1, int pairs)
+/* pixel_sums() for two output pixels at once, one in each 128-bit half; `w` holds
+ * both pixels' weights, pair by pair, as wide_weights() lays them out. */
+AVX2 static inline __m256i pixel_sums2(const int16_t *s0, const int16_t *s1, const int32_t *w,
+                                       int pairs)
 {
     __m256i sum = _mm256_setzero_si256();
-    for (int q = 0; q < pairs; q++, s0 += 6, s1 += 6) {
+    for (int q = 0; q < pairs; q++, s0 += 6, s1 += 6, w += 8) {
         __m256i v = _mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)s0)),
             _mm_loadu_si128((const __m128i *)s1), 1);
-        __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(w0[q])),
-                                            _mm_set1_epi32(w1[q]), 1);
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_unpacklo_epi16(v, _mm256_srli_si256(v, 6)), w));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_unpacklo_epi16(v, _mm256_srli_si256(v, 6)),
+                                                      _mm256_loadu_si256((const __m256i *)w)));
     }
     return sum;
+}
+
+/* The packed weights as horizontal_avx2 reads them, made once per resize: for each
+ * group of eight output pixels j.., each q < 4 and each pair, pixel j + q's weight
+ * pair four times, then pixel j + q + 4's four times. Returns NULL when out of memory. */
+static int32_t *wide_weights(const packed_t *p, int out)
+{
+    int32_t *wide = malloc(sizeof(int32_t) * 8 * (size_t)(out / 8 * 4 * p->pairs + 1));
+    int32_t *w = wide;
+    if (!wide)
+        return NULL;
+    for (int j = 0; j + 8 <= out; j += 8)
+        for (int q = 0; q < 4; q++)
+            for (int k = 0; k < p->pairs; k++, w += 8)
+                for (int lane = 0; lane < 8; lane++)
+                    w[lane] = p->weights[(size_t)(j + q + (lane < 4 ? 0 : 4)) * p->pairs + k];
+    return wide;
 }
 
 /* horizontal() eight output pixels at a time: pixels j..j+3 in the low halves, j+4..j+7
  * in the high ones, transposed as there, then each channel's eight bytes gathered. */
 AVX2 static void horizontal_avx2(const int16_t *src, int first, const axis_t *xs, const packed_t *p,
-                                 uint8_t *r, uint8_t *g, uint8_t *b)
+                                 const int32_t *wide, uint8_t *r, uint8_t *g, uint8_t *b)
 {
     int j = 0;
     const __m256i half = _mm256_set1_epi32(COEF_ONE >> 1);
@@ -332,8 +349,7 @@ AVX2 static void horizontal_avx2(const int16_t *src, int first, const axis_t *xs
         for (int q = 0; q < 4; q++)
             a[q] = pixel_sums2(src + (size_t)(xs->lo[j + q] - first) * 3,
                                src + (size_t)(xs->lo[j + q + 4] - first) * 3,
-                               p->weights + (size_t)(j + q) * p->pairs,
-                               p->weights + (size_t)(j + q + 4) * p->pairs, p->pairs);
+                               wide + ((size_t)j / 2 + (size_t)q) * p->pairs * 8, p->pairs);
         __m256i ab_lo = _mm256_unpacklo_epi32(a[0], a[1]), cd_lo = _mm256_unpacklo_epi32(a[2], a[3]);
         __m256i ab_hi = _mm256_unpackhi_epi32(a[0], a[1]), cd_hi = _mm256_unpackhi_epi32(a[2], a[3]);
         __m256i rs = _mm256_srai_epi32(_mm256_add_epi32(_mm256_unpacklo_epi64(ab_lo, cd_lo), half), COEF_BITS);
@@ -373,8 +389,14 @@ static int resize_rows(const uint8_t *src, size_t stride, int x0, int y0,
     size_t plane = (size_t)xs->out * ys->out;
     packed_t p = {0, NULL};
     int16_t *row = NULL;
-    if (packed_make(&p, xs) || !(row = calloc((size_t)width + 6 * (size_t)p.pairs + 8, sizeof(int16_t)))) {
+    int32_t *wide = NULL;
+    if (packed_make(&p, xs) || !(row = calloc((size_t)width + 6 * (size_t)p.pairs + 8, sizeof(int16_t)))
+#ifdef HAVE_AVX2_PASSES
+        || (use_avx2 && !(wide = wide_weights(&p, xs->out)))
+#endif
+    ) {
         free(p.weights);
+        free(row);
         return -1;
     }
     for (int i = 0; i < ys->out; i++) {
@@ -384,7 +406,7 @@ static int resize_rows(const uint8_t *src, size_t stride, int x0, int y0,
 #ifdef HAVE_AVX2_PASSES
         if (use_avx2) {
             vertical_avx2(s, stride, coef, ys->n[i], width, row);
-            horizontal_avx2(row, first, xs, &p, r, r + plane, r + 2 * plane);
+            horizontal_avx2(row, first, xs, &p, wide, r, r + plane, r + 2 * plane);
             continue;
         }
 #endif
@@ -392,6 +414,7 @@ static int resize_rows(const uint8_t *src, size_t stride, int x0, int y0,
         horizontal(row, first, xs, &p, r, r + plane, r + 2 * plane);
     }
     free(p.weights);
+    free(wide);
     free(row);
     return 0;
 }
