@@ -7,6 +7,7 @@ grayscale JPEGs, a CMYK JPEG and PNGs (PyAV, then the same resize).
 
 from __future__ import annotations
 
+import importlib
 import io
 import sys
 
@@ -170,14 +171,26 @@ def _apply(matrix: np.ndarray, pixels: np.ndarray) -> np.ndarray:
     return ((np.tensordot(matrix, pixels.astype(np.int64), 1) + (1 << 13)) >> 14).clip(0, 255)
 
 
-@pytest.mark.parametrize("out_size", [(224, 224), (37, 53), (301, 300), (1, 1)])
-def test_the_resize_is_its_formula_to_the_integer(out_size):
-    """The vectorised passes (SSE2, or AVX2 where the CPU has it) give exactly what the
-    formula gives, lane order, tails and flips included; the PSNR tests above could
-    miss a pixel or a channel out of place in a smooth image, this cannot."""
+@pytest.fixture(params=["wide", "sse2"])
+def resize_variant(request):
+    """The resize's passes are compiled for AVX2 and for SSE2: both run."""
     from gpufeed.server.media import jpeg
     if not jpeg.AVAILABLE:
         pytest.skip("the JPEG fast path's extension is not built")
+    native = importlib.import_module("gpufeed.server.media._jpeg")
+    if native.use_wide(request.param == "wide") != (request.param == "wide"):
+        pytest.skip("no AVX2 passes on this CPU or compiler")
+    yield request.param
+    native.use_wide(True)
+
+
+@pytest.mark.usefixtures("resize_variant")
+@pytest.mark.parametrize("out_size", [(224, 224), (37, 53), (301, 300), (1, 1)])
+def test_the_resize_is_its_formula_to_the_integer(out_size):
+    """The vectorised passes (AVX2 and SSE2) give exactly what the formula gives, lane
+    order, tails and flips included; the PSNR tests above could miss a pixel or a
+    channel out of place in a smooth image, this cannot."""
+    from gpufeed.server.media import jpeg
     rng = np.random.default_rng(5)
     image = rng.integers(0, 256, (395, 457, 3), dtype=np.uint8)
     out = np.empty((3, *out_size), np.uint8)

@@ -683,6 +683,23 @@ static PyObject *resize_rgb(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(use_wide_doc, "use_wide(flag) -> bool\n\n"
+             "Run the resize's AVX2 passes (where the CPU has them) or the SSE2 ones;\n"
+             "whether the AVX2 ones are now in use. For tests: both must agree.");
+
+static PyObject *use_wide(PyObject *self, PyObject *flag)
+{
+    int on = PyObject_IsTrue(flag);
+    if (on < 0)
+        return NULL;
+#ifdef HAVE_AVX2_PASSES
+    use_avx2 = on && __builtin_cpu_supports("avx2");
+    return PyBool_FromLong(use_avx2);
+#else
+    return PyBool_FromLong(0);
+#endif
+}
+
 /* What the resize's passes run on here, for the start-up log. */
 static const char *resize_simd(void)
 {
@@ -702,6 +719,7 @@ static PyMethodDef methods[] = {
      decode_crop_doc},
     {"resize_rgb", (PyCFunction)(void (*)(void))resize_rgb, METH_VARARGS | METH_KEYWORDS,
      resize_rgb_doc},
+    {"use_wide", use_wide, METH_O, use_wide_doc},
     {NULL, NULL, 0, NULL},
 };
 
