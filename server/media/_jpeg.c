@@ -390,9 +390,12 @@ static int resize_rows(const uint8_t *src, size_t stride, int x0, int y0,
     packed_t p = {0, NULL};
     int16_t *row = NULL;
     int32_t *wide = NULL;
+#ifdef HAVE_AVX2_PASSES
+    const int avx2 = use_avx2; /* read once: use_wide() may change it meanwhile */
+#endif
     if (packed_make(&p, xs) || !(row = calloc((size_t)width + 6 * (size_t)p.pairs + 8, sizeof(int16_t)))
 #ifdef HAVE_AVX2_PASSES
-        || (use_avx2 && !(wide = wide_weights(&p, xs->out)))
+        || (avx2 && !(wide = wide_weights(&p, xs->out)))
 #endif
     ) {
         free(p.weights);
@@ -404,7 +407,7 @@ static int resize_rows(const uint8_t *src, size_t stride, int x0, int y0,
         const uint8_t *s = src + (size_t)(ys->lo[i] - y0) * stride + (size_t)(first - x0) * 3;
         const int16_t *coef = ys->coef + (size_t)i * ys->taps;
 #ifdef HAVE_AVX2_PASSES
-        if (use_avx2) {
+        if (avx2) {
             vertical_avx2(s, stride, coef, ys->n[i], width, row);
             horizontal_avx2(row, first, xs, &p, wide, r, r + plane, r + 2 * plane);
             continue;
