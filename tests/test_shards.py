@@ -14,7 +14,8 @@ from PIL import Image
 
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.process import ServerProcess
-from gpufeed.server.storage.shards import SHUFFLE_BUFFER, expand_braces
+from gpufeed.server.serving.order import SHUFFLE_BUFFER, buffer_shuffle
+from gpufeed.server.storage.shards import expand_braces
 from shards import corrupt_shard, cut_shard, label_of, write_shards
 from support import MIN_PSNR_DB, psnr
 
@@ -140,10 +141,8 @@ def test_shards_outside_the_data_roots_and_missing_everywhere_are_refused(feed):
 
 def test_shuffle_buffer_delivers_each_sample_within_its_bound():
     """The stated memory bound: delivery position p takes a sample among stream's first p + B."""
-    from gpufeed.server.storage.shards import _buffer_shuffle
-
     stream = np.arange(500)
-    out = _buffer_shuffle(stream, np.random.default_rng([1, 2, 0]), 16)
+    out = buffer_shuffle(stream, np.random.default_rng([1, 2, 0]), 16)
     assert sorted(out.tolist()) == stream.tolist()
     assert all(sample < p + 16 for p, sample in enumerate(out.tolist()))
     assert out.tolist() != stream.tolist()

@@ -9,6 +9,26 @@ more would wait forever in DDP's last all-reduce): as torch's DistributedSampler
 does, the list is padded to a multiple of world_size by repeating samples from
 its start. An order holds *positions* in that padded list; position p is sample
 ``p % num_samples``, a repeat when ``p >= num_samples`` (``samples_at``).
+
+Tar shards (storage/shards.py) are dealt to ranks whole, so their order is
+``tar_order``, by the same rules where they apply:
+
+1. the shard list is permuted by a generator seeded with (seed, epoch) when
+   shuffling (the same permutation on every rank);
+2. rank r takes shards r, r + world_size, ... of that list; a rank with fewer
+   samples than the longest repeats its own first samples (as positions past
+   the end, flagged ``padded``) so that every rank has as many batches;
+3. the rank's samples, shard after shard, in each shard's order, pass through
+   a shuffle buffer of ``SHUFFLE_BUFFER`` samples seeded with
+   (seed, epoch, rank): once full, each next sample takes the place of a
+   uniformly chosen one, which is delivered; at the end the rest are
+   delivered in a random order.
+
+The memory bound: the sample delivered at position p is among the first
+p + ``SHUFFLE_BUFFER`` samples of the rank's sequential stream, so the bytes a
+stream touches at any moment lie in a window of ``SHUFFLE_BUFFER`` + (prefetch
++ 1) x batch_size samples of consecutive shards, which reads within a shard
+keep near-sequential (the page cache's read-ahead, or S3 chunks).
 """
 
 from __future__ import annotations
@@ -17,7 +37,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Batches", "samples_at", "shard_order", "split_batches"]
+__all__ = ["SHUFFLE_BUFFER", "Batches", "buffer_shuffle", "samples_at", "shard_order",
+           "split_batches", "tar_order"]
+
+# Samples in a tar-shard stream's shuffle buffer (WebDataset's default is 1000 too).
+SHUFFLE_BUFFER = 1000
 
 
 def shard_order(num_samples: int, *, rank: int, world_size: int,
@@ -32,6 +56,44 @@ def shard_order(num_samples: int, *, rank: int, world_size: int,
     if shuffle:
         order = np.random.default_rng([seed, epoch]).permutation(order)
     return order
+
+
+def tar_order(first: np.ndarray, *, rank: int, world_size: int, shuffle: bool, seed: int,
+              epoch: int) -> np.ndarray:
+    """Positions of this rank's samples from tar shards, in delivery order (the rule in the
+    module docstring). Shard s holds samples ``first[s]`` to ``first[s + 1]`` (its
+    ``ShardSet.first``); positions past the last sample are padding repeats."""
+    num_samples = int(first[-1])
+    shards = np.arange(len(first) - 1)
+    if shuffle:
+        shards = np.random.default_rng([seed, epoch]).permutation(shards)
+    mine = shards[rank::world_size]
+    order = np.concatenate([np.arange(int(first[s]), int(first[s + 1])) for s in mine]
+                           ).astype(np.int64) if len(mine) else np.zeros(0, np.int64)
+    if shuffle:
+        order = buffer_shuffle(order, np.random.default_rng([seed, epoch, rank]), SHUFFLE_BUFFER)
+    # Every rank as long as the longest: repeats of this rank's own first samples, as
+    # positions past the end (p -> sample p % num_samples, padded), as for loose files.
+    counts = np.diff(first)
+    longest = max(int(counts[shards[r::world_size]].sum()) for r in range(world_size))
+    if 0 < len(order) < longest:
+        order = np.concatenate([order, np.resize(order, longest - len(order)) + num_samples])
+    return order
+
+
+def buffer_shuffle(stream: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
+    """WebDataset's shuffle buffer of ``size`` samples, made deterministic by ``rng``: the
+    sample delivered at position p is among the first p + size of ``stream``."""
+    if len(stream) <= size:
+        return rng.permutation(stream)
+    out = np.empty_like(stream)
+    buffer = stream[:size].copy()
+    picks = rng.integers(0, size, len(stream) - size)
+    for n, (incoming, pick) in enumerate(zip(stream[size:].tolist(), picks.tolist())):
+        out[n] = buffer[pick]
+        buffer[pick] = incoming
+    out[len(stream) - size:] = rng.permutation(buffer)
+    return out
 
 
 class Batches(Sequence[np.ndarray]):

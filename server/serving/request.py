@@ -58,7 +58,7 @@ from ..storage.shards import (
 from .errors import Forbidden, InvalidRequest, LimitExceeded, NotFound, Unsupported
 from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_labels, list_directory
 from .names import SampleNames, TooManyNames
-from .order import Batches, shard_order, split_batches
+from .order import Batches, shard_order, split_batches, tar_order
 from .wire import COMPRESSORS
 
 __all__ = ["Limits", "StreamPlan", "plan_stream"]
@@ -208,7 +208,7 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: Storage, limits: Limits,
     if shards and len(shards.paths) < world_size:
         raise InvalidRequest(f"world_size: {world_size} ranks but {len(shards.paths)} tar shards; "
                              f"each rank reads whole shards")
-    order = (shards.order if shards else partial(shard_order, len(names)))(
+    order = (partial(tar_order, shards.first) if shards else partial(shard_order, len(names)))(
         rank=req.rank, world_size=world_size, shuffle=req.shuffle, seed=req.seed, epoch=req.epoch)
     whole = split_batches(order, req.batch_size, req.drop_last)
     batches = _served_batches(req, whole)

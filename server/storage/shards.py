@@ -56,27 +56,12 @@ server process (the cache above), for every listed shard, other ranks' too: the
 padding rule and ``index`` need every shard's sample count. The metrics count
 it apart (``gpufeed_storage_index_bytes``), beside the samples' reads.
 
-The order, a pure function of (seed, epoch, rank, world_size):
-
-1. the shard list is permuted by a generator seeded with (seed, epoch) when
-   shuffling (the same permutation on every rank);
-2. rank r takes shards r, r + world_size, ... of that list; a rank with fewer
-   samples than the longest repeats its own first samples (flagged ``padded``,
-   as order.py pads loose files) so that every rank has as many batches;
-3. the rank's samples, shard after shard, in each shard's order, pass through
-   a shuffle buffer of ``SHUFFLE_BUFFER`` samples seeded with
-   (seed, epoch, rank): once full, each next sample takes the place of a
-   uniformly chosen one, which is delivered; at the end the rest are
-   delivered in a random order.
-
-The memory bound: the sample delivered at position p is among the first
-p + ``SHUFFLE_BUFFER`` samples of the rank's sequential stream, so the bytes a
-stream touches at any moment lie in a window of ``SHUFFLE_BUFFER`` + (prefetch
-+ 1) x batch_size samples of consecutive shards, which reads within a shard
-keep near-sequential (the page cache's read-ahead, or S3 chunks). The plan
-itself holds 8 bytes of order, about 40 bytes of index per sample (16 more per
-member extension beyond image and label, which a request's fields may name) and
-a byte for which samples the stream reads (chunks.py), plus each shard's path.
+The order of a pass (shards dealt to ranks whole, a shuffle buffer within a
+rank's stream, padding to the longest rank) is serving/order.py's ``tar_order``,
+over ``ShardSet.first``. The plan holds 8 bytes of order, about 40 bytes of
+index per sample (16 more per member extension beyond image and label, which a
+request's fields may name) and a byte for which samples the stream reads
+(chunks.py), plus each shard's path.
 
 Resume is exact at any batch (the position the client sends), since the order
 is computed whole at plan time. A shard whose data ends early (truncated)
@@ -113,10 +98,9 @@ from .paths import OutsideDataRoots, SamplePaths
 from .roots import Storage, is_s3
 from .shardfiles import ShardFiles
 
-__all__ = ["SHUFFLE_BUFFER", "TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet",
+__all__ = ["TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet",
            "TooManyShards", "expand_braces", "names_shards"]
 
-SHUFFLE_BUFFER = 1000
 _IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
 _LABEL_SUFFIXES = ("cls", "txt")
 # Member extensions that are a sample's image or label, so cannot name a field's member.
@@ -326,7 +310,8 @@ def index_shard(storage, path: str) -> ShardIndex:
 
 
 class ShardSet:
-    """The listed shards' samples, flattened in list order, and their order per pass."""
+    """The listed shards' samples, flattened in list order (shard s holds samples
+    ``first[s]`` to ``first[s + 1]``)."""
 
     def __init__(self, paths: list[str], indexes: list[ShardIndex]):
         self.paths = paths
@@ -361,29 +346,6 @@ class ShardSet:
     def unreadable(self) -> list[tuple[str, str]]:
         return [(p, i.problem) for p, i in zip(self.paths, self.indexes) if i.problem]
 
-    def order(self, *, rank: int, world_size: int, shuffle: bool, seed: int,
-              epoch: int) -> np.ndarray:
-        """This rank's sample indices in delivery order (the rule in the module docstring)."""
-        shards = np.arange(len(self.paths))
-        if shuffle:
-            shards = np.random.default_rng([seed, epoch]).permutation(shards)
-        mine = shards[rank::world_size]
-        stream = np.concatenate([np.arange(int(self.first[s]), int(self.first[s + 1]))
-                                 for s in mine]) \
-            if len(mine) else np.zeros(0, np.int64)
-        order = stream.astype(np.int64)
-        if shuffle:
-            order = _buffer_shuffle(order, np.random.default_rng([seed, epoch, rank]),
-                                    SHUFFLE_BUFFER)
-        # Every rank as long as the longest (order.py's padding): repeats of this rank's own
-        # first samples, as positions past the end (p -> sample p % num_samples, padded).
-        counts = np.diff(self.first)
-        longest = max(int(counts[shards[r::world_size]].sum()) for r in range(world_size))
-        if 0 < len(order) < longest:
-            order = np.concatenate([order, np.resize(order, longest - len(order))
-                                    + self.num_samples])
-        return order
-
     def shard_end(self, sample: int) -> int:
         """The index after the last sample of the sample's shard."""
         return int(self.first[int(self.sample_shard[sample]) + 1])
@@ -394,20 +356,6 @@ def _first_has_label(indexes: list[ShardIndex]) -> bool:
         if not index.problem and len(index.label_offset):
             return bool(index.label_offset[0] >= 0)
     return False
-
-
-def _buffer_shuffle(stream: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
-    """WebDataset's shuffle buffer, made deterministic: see the module docstring."""
-    if len(stream) <= size:
-        return rng.permutation(stream)
-    out = np.empty_like(stream)
-    buffer = stream[:size].copy()
-    picks = rng.integers(0, size, len(stream) - size)
-    for n, (incoming, pick) in enumerate(zip(stream[size:].tolist(), picks.tolist())):
-        out[n] = buffer[pick]
-        buffer[pick] = incoming
-    out[len(stream) - size:] = rng.permutation(buffer)
-    return out
 
 
 class _SamplePaths:
