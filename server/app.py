@@ -110,7 +110,7 @@ def _load_plugins(modules: list[str], threads: int) -> None:
 class FeedServer:
     def __init__(self, config: ServerConfig):
         self.config = config
-        self._roots = Storage(config.data_roots, config.s3_endpoint, config.max_file_bytes,
+        self._storage = Storage(config.data_roots, config.s3_endpoint, config.max_file_bytes,
                               connections=config.threads + 8, io_threads=config.io_threads,
                               read_ahead_bytes=config.read_ahead_bytes)
         device = None
@@ -127,13 +127,13 @@ class FeedServer:
         except BaseException:  # a taken port, say: leave no thread or /dev/shm name behind
             self._watchdog.close()
             self._pool.close()
-            self._roots.close()
+            self._storage.close()
             self._shm.close()
             raise
 
     def _build(self, config: ServerConfig, device) -> None:
         self.metrics = ServerMetrics(self._pool)
-        self._roots.register_metrics(self.metrics.registry)
+        self._storage.register_metrics(self.metrics.registry)
         # Each call holds a handler thread: the gate bounds the calls that could hold
         # one for long, and the pool has a thread for each of them plus spares.
         gate = CallGate(config.max_waiting_calls, config.open_timeout, self._watchdog)
@@ -145,7 +145,7 @@ class FeedServer:
             # A wrong token is refused before the gate: it never waits for a message.
             interceptors=[TokenInterceptor(config.token), gate] if config.token else [gate],
         )
-        self.servicer = FeedServicer(self._roots, self._pool, self._shm, config.limits,
+        self.servicer = FeedServicer(self._storage, self._pool, self._shm, config.limits,
                                      config.max_streams, self.metrics, device, self._watchdog)
         add_feed_servicer(self.servicer, self._grpc)  # inline batches: wire.serialize
         self._health = health.HealthServicer()
@@ -184,7 +184,7 @@ class FeedServer:
         self._grpc.stop(1.0).wait()
         self._pool.close()
         shutdown_processes()
-        self._roots.close()
+        self._storage.close()
         self._shm.close()
         self._watchdog.close()
         self.metrics.close()

@@ -71,13 +71,13 @@ def test_a_stream_refuses_the_release_of_a_batch_not_yet_sent(data_dir, image_na
     from gpufeed.server.storage.roots import Storage
     from gpufeed.v1 import feed_pb2
 
-    roots = Storage([str(data_dir)])
+    storage = Storage([str(data_dir)])
     request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=image_names[:8]), batch_size=2,
                                      output=feed_pb2.OutputSpec(height=8, width=8), prefetch=1,
                                      transport=feed_pb2.TRANSPORT_INLINE)
-    plan = plan_stream(request, roots, Limits(), (feed_pb2.TRANSPORT_INLINE,))
+    plan = plan_stream(request, storage, Limits(), (feed_pb2.TRANSPORT_INLINE,))
     pool = DecodePool(0, lambda: None)  # no thread, so no per-thread state
-    stream = Stream(plan, roots, pool, HeapSlots(plan))
+    stream = Stream(plan, storage, pool, HeapSlots(plan))
     stream.start()
     assert stream.ring.leased() == 2
     with pytest.raises(KeyError):

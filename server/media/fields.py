@@ -170,12 +170,12 @@ class SampleFields:
             offsets.append(f"{name}_offsets")
         return arrays, tuple(private), tuple(offsets)
 
-    def read(self, roots, path: str, image: np.ndarray, window: SourceWindow, flip: bool,
+    def read(self, storage, path: str, image: np.ndarray, window: SourceWindow, flip: bool,
              max_pixels: int) -> Sample:
         """The sample, its ``image`` row written, with its fields from its sidecar files
         after the crop and flip; a mask over ``max_pixels`` (--max-pixels) is refused
         before it is decoded."""
-        return self.convert({name: self._sidecar(roots, path, sidecar)
+        return self.convert({name: self._sidecar(storage, path, sidecar)
                              for name, sidecar in self.sidecars.items()}, image, window, flip,
                             max_pixels)
 
@@ -194,18 +194,18 @@ class SampleFields:
         return sample
 
     @staticmethod
-    def _sidecar(roots, path: str, sidecar: Sidecar) -> bytes:
-        located = roots.locate(sidecar.path(path, roots.root_of(path)))
+    def _sidecar(storage, path: str, sidecar: Sidecar) -> bytes:
+        located = storage.locate(sidecar.path(path, storage.root_of(path)))
         if located == path:
             raise DecodeError(f"{sidecar.field}: the sidecar {sidecar.suffix!r} is the sample "
                               f"itself")
         try:
-            return roots.read(located)
+            return storage.read(located)
         except FileNotFoundError:  # no errno: the message is the failure's (not_found) detail
-            raise FileNotFoundError(f"{sidecar.field}: sidecar {roots.shown(located)} not found"
+            raise FileNotFoundError(f"{sidecar.field}: sidecar {storage.shown(located)} not found"
                                     ) from None
         except OSError as e:
-            raise DecodeError(f"{sidecar.field}: sidecar {roots.shown(located)}: {e}") from None
+            raise DecodeError(f"{sidecar.field}: sidecar {storage.shown(located)}: {e}") from None
 
     def write(self, sample: Sample, arrays: dict[str, np.ndarray], row: int) -> None:
         """Write a sample's fields into its row of the batch."""

@@ -119,14 +119,14 @@ class RowReader(Protocol):
     never used when the stream ends; the defaults here do nothing.
     """
 
-    def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
+    def read_into(self, storage: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None: ...
 
-    def read_ahead(self, roots: Storage, samples: np.ndarray, paths: SamplePaths) -> None:
+    def read_ahead(self, storage: Storage, samples: np.ndarray, paths: SamplePaths) -> None:
         """Issue the reads of a claimed batch's ``samples`` (``paths[i]``: sample i's located
         path) now (default: nothing)."""
 
-    def forget(self, roots: Storage) -> None:
+    def forget(self, storage: Storage) -> None:
         """The stream ended: drop reads issued ahead for rows never decoded (default: nothing)."""
 
 
@@ -138,37 +138,37 @@ class ImageRows(RowReader):
         self.fields = fields
         self._ahead = StreamReads()  # S3 objects' reads issued ahead (storage/readahead.py)
 
-    def read_ahead(self, roots: Storage, samples: np.ndarray, paths: SamplePaths) -> None:
+    def read_ahead(self, storage: Storage, samples: np.ndarray, paths: SamplePaths) -> None:
         """Issue the reads of a batch's S3 objects now, when the storage reads ahead (it
         has no I/O stage without S3 roots)."""
-        stage = roots.read_ahead
+        stage = storage.read_ahead
         if stage is None:
             return
         for sample in samples.tolist():
             path = paths[int(sample)]
             if is_s3(path):  # located and confined when the stream was planned
-                self._ahead.issue(stage, sample, None, partial(roots.read, path),
-                                  partial(roots.open_object, path))
+                self._ahead.issue(stage, sample, None, partial(storage.read, path),
+                                  partial(storage.open_object, path))
 
-    def forget(self, roots: Storage) -> None:
+    def forget(self, storage: Storage) -> None:
         """The stream ended: reads issued for rows nobody will decode give their bytes back."""
-        self._ahead.forget(roots.read_ahead)
+        self._ahead.forget(storage.read_ahead)
 
-    def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
+    def read_into(self, storage: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
         crop, flip = self.transform.choose(index)
-        stage = roots.read_ahead
+        stage = storage.read_ahead
         if stage is None:  # local roots: nothing was issued ahead
-            data, read = timed_read(stages, partial(roots.read, path))
+            data, read = timed_read(stages, partial(storage.read, path))
         else:
             data, read = timed_read(stages, partial(self._ahead.take, stage, index,
-                                                    partial(roots.read, path)))
+                                                    partial(storage.read, path)))
         image = arrays.get("decoded", arrays["image"])[row]
         try:  # the decoder flips; the batch pass does not
             window = decoders.image.decode_into(data, image, crop, flip)
             if self.fields is not None:
                 # The sample after crop and flip: where a per-sample transform would run.
-                sample = self.fields.read(roots, path, image, window, flip, decoders.max_pixels)
+                sample = self.fields.read(storage, path, image, window, flip, decoders.max_pixels)
                 self.fields.write(sample, arrays, row)
         finally:
             stages["decode"].observe(perf_counter() - read)
@@ -182,7 +182,7 @@ class VideoRows(RowReader):
         self.transform = transform
         self.frames, self.stride, self.random_start = clip_frames, stride, random_start
 
-    def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
+    def read_into(self, storage: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
         _, arrays["flip"][row] = self.transform.choose(index)
         k, stride = self.frames, self.stride
@@ -191,7 +191,7 @@ class VideoRows(RowReader):
             start = lambda n: random_start(n, k, stride, rng)  # noqa: E731
         else:
             start = lambda n: centred_start(n, k, stride)  # noqa: E731
-        with stages["decode"].time(), os.fdopen(roots.open_checked(path), "rb") as file:
+        with stages["decode"].time(), os.fdopen(storage.open_checked(path), "rb") as file:
             decoders.video.decode_clip_into(file, arrays.get("decoded", arrays["image"])[row],
                                             stride=stride, start=start)
 
@@ -202,10 +202,10 @@ class ArrayRows(RowReader):
     def __init__(self, first: dict[str, np.ndarray]):
         self.layout = array_layout(first)
 
-    def read_into(self, roots: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
+    def read_into(self, storage: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
-        with stages["decode"].time(), os.fdopen(roots.open_checked(path), "rb") as file:
-            sample = read_arrays(file, posixpath.splitext(path)[1], roots.max_file_bytes)
+        with stages["decode"].time(), os.fdopen(storage.open_checked(path), "rb") as file:
+            sample = read_arrays(file, posixpath.splitext(path)[1], storage.max_file_bytes)
             check(sample, self.layout)
             for key, array in sample.items():
                 arrays[key][row] = array

@@ -66,7 +66,7 @@ class SampleFiles:
     listings: list[Listing] = field(default_factory=list)
 
 
-def list_directory(directory: str, name: str, roots: Storage, limit: int) -> list[str]:
+def list_directory(directory: str, name: str, storage: Storage, limit: int) -> list[str]:
     """The sample files under ``directory`` (located), in ImageFolder's order.
 
     ``name`` is how the request named it, for messages. Raises OutsideDataRoots
@@ -74,7 +74,7 @@ def list_directory(directory: str, name: str, roots: Storage, limit: int) -> lis
     roots, FolderError for a symlink loop, an unreadable directory, or more than
     ``limit`` files.
     """
-    if roots.root_of(os.path.realpath(directory)) is None:
+    if storage.root_of(os.path.realpath(directory)) is None:
         raise OutsideDataRoots(f"{name!r} resolves outside the data roots")
     files, subdirs = [], []
     for entry in _entries(directory, name):
@@ -86,7 +86,7 @@ def list_directory(directory: str, name: str, roots: Storage, limit: int) -> lis
     seen = {os.path.realpath(directory)}
     for subdir in sorted(subdirs):
         _check_limit(len(files), limit, name)
-        walked = _walk(os.path.join(directory, subdir), name, roots, seen, limit - len(files))
+        walked = _walk(os.path.join(directory, subdir), name, storage, seen, limit - len(files))
         for parent, names in sorted(walked):
             files.extend(os.path.join(parent, n) for n in sorted(names))
     _check_limit(len(files), limit, name)
@@ -118,7 +118,7 @@ def _is_dir(entry: os.DirEntry) -> bool:
         return False
 
 
-def _walk(top: str, name: str, roots: Storage, seen: set[str], limit: int
+def _walk(top: str, name: str, storage: Storage, seen: set[str], limit: int
           ) -> list[tuple[str, list[str]]]:
     """(directory, sample file names) for every directory under ``top``, ``top`` included.
 
@@ -129,16 +129,16 @@ def _walk(top: str, name: str, roots: Storage, seen: set[str], limit: int
     found, count = [], 0
 
     def fail(error: OSError) -> None:
-        raise FolderError(f"cannot list {roots.shown(error.filename)!r} under {name!r}: "
+        raise FolderError(f"cannot list {storage.shown(error.filename)!r} under {name!r}: "
                           f"{error.strerror or error}")
 
     for parent, _, files in os.walk(top, onerror=fail, followlinks=True):
         real = os.path.realpath(parent)
-        if roots.root_of(real) is None:
-            raise OutsideDataRoots(f"{roots.shown(parent)!r} (under {name!r}) resolves "
+        if storage.root_of(real) is None:
+            raise OutsideDataRoots(f"{storage.shown(parent)!r} (under {name!r}) resolves "
                                    f"outside the data roots")
         if real in seen:
-            raise FolderError(f"{roots.shown(parent)!r} (under {name!r}) is a directory "
+            raise FolderError(f"{storage.shown(parent)!r} (under {name!r}) is a directory "
                               f"listed already (a symlink loop, or a second link to it)")
         seen.add(real)
         found.append((parent, [f for f in files if is_sample_file(f)]))
@@ -147,7 +147,7 @@ def _walk(top: str, name: str, roots: Storage, seen: set[str], limit: int
     return found
 
 
-def folder_labels(samples: SampleFiles, classes: list[str], roots: Storage
+def folder_labels(samples: SampleFiles, classes: list[str], storage: Storage
                   ) -> tuple[np.ndarray, list[str]]:
     """Each sample's label (its class folder's number) and the classes; see the module doc.
 
@@ -155,7 +155,7 @@ def folder_labels(samples: SampleFiles, classes: list[str], roots: Storage
     """
     if len(set(classes)) != len(classes) or not all(classes):
         raise FolderError("classes: class names must be distinct and non-empty")
-    folders, datasets = _class_folders(samples, roots)
+    folders, datasets = _class_folders(samples, storage)
     if not classes:
         found = sorted(set(datasets))
         if len(found) > 1:
@@ -164,9 +164,9 @@ def folder_labels(samples: SampleFiles, classes: list[str], roots: Storage
             raise FolderError(
                 f"label_source: LABELS_FROM_FOLDER: samples[{first}] "
                 f"({samples.names[first]!r}) and samples[{other}] ({samples.names[other]!r}) "
-                f"are in different dataset directories ({roots.shown(found[0])!r} and "
-                f"{roots.shown(found[1])!r}); give the classes explicitly")
-        classes = _subdirectories(found[0], samples.names[0], roots)
+                f"are in different dataset directories ({storage.shown(found[0])!r} and "
+                f"{storage.shown(found[1])!r}); give the classes explicitly")
+        classes = _subdirectories(found[0], samples.names[0], storage)
     number = {name: i for i, name in enumerate(classes)}
     labels = np.empty(len(folders), dtype=np.int64)
     for i, folder in enumerate(folders):
@@ -180,7 +180,7 @@ def folder_labels(samples: SampleFiles, classes: list[str], roots: Storage
     return labels, list(classes)
 
 
-def _class_folders(samples: SampleFiles, roots: Storage) -> tuple[list[str], list[str]]:
+def _class_folders(samples: SampleFiles, storage: Storage) -> tuple[list[str], list[str]]:
     """Each sample's class folder name and dataset directory (located)."""
     folders, datasets = [], []
     listed = iter(samples.listings)
@@ -195,7 +195,7 @@ def _class_folders(samples: SampleFiles, roots: Storage) -> tuple[list[str], lis
         else:
             parent = os.path.dirname(path)
             folder, dataset = os.path.basename(parent), os.path.dirname(parent)
-            sep = "/" if roots.root_of(dataset) is not None else ""
+            sep = "/" if storage.root_of(dataset) is not None else ""
         if not sep:
             raise FolderError(f"label_source: LABELS_FROM_FOLDER: samples[{i}] "
                               f"({samples.names[i]!r}) is not in a class folder under a "
@@ -205,10 +205,10 @@ def _class_folders(samples: SampleFiles, roots: Storage) -> tuple[list[str], lis
     return folders, datasets
 
 
-def _subdirectories(dataset: str, example: str, roots: Storage) -> list[str]:
+def _subdirectories(dataset: str, example: str, storage: Storage) -> list[str]:
     """ImageFolder's classes: the sorted names of the directories in ``dataset``."""
-    shown = roots.shown(dataset)
-    if roots.root_of(os.path.realpath(dataset)) is None:
+    shown = storage.shown(dataset)
+    if storage.root_of(os.path.realpath(dataset)) is None:
         raise OutsideDataRoots(f"the dataset directory {shown!r} resolves outside the data roots")
     if not os.path.isdir(dataset):
         raise FolderError(f"label_source: LABELS_FROM_FOLDER: the dataset directory {shown!r} "

@@ -133,7 +133,7 @@ class StreamPlan:
         return self.paths.nbytes + self.batches.order.nbytes + labels
 
 
-def plan_stream(req: feed_pb2.StreamRequest, roots: Storage, limits: Limits,
+def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
                 transports: tuple[int, ...]) -> StreamPlan:
     """``req`` checked into a plan, or the refusal (errors.py) naming the field at fault.
 
@@ -145,16 +145,16 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: Storage, limits: Limits,
     serves. The plan's memory is reserved by the servicer afterwards, once its
     size is known, so that a refused request reserves nothing.
     """
-    names, listed_labels, prefix = _sample_names(req, roots, limits)
+    names, listed_labels, prefix = _sample_names(req, storage, limits)
     if not names:
         raise InvalidRequest("samples: the list is empty")
-    shards = _tar_shards(req, names, prefix, roots, limits)  # tar shards (shards.py), or None
+    shards = _tar_shards(req, names, prefix, storage, limits)  # tar shards (shards.py), or None
     if shards:
         paths, labels, classes, kind = None, None, [], IMAGE
     else:
-        samples = _sample_files(names, prefix, roots, limits.max_samples)
+        samples = _sample_files(names, prefix, storage, limits.max_samples)
         names, paths = samples.names, samples.paths
-        labels, classes = _labels(req, samples, listed_labels, roots)
+        labels, classes = _labels(req, samples, listed_labels, storage)
         try:
             kind = sample_kind(names)
         except ValueError as e:
@@ -174,7 +174,7 @@ def plan_stream(req: feed_pb2.StreamRequest, roots: Storage, limits: Limits,
     fields = _fields(req, kind, bool(shards))
     if kind == ARRAYS:
         transform = None
-        reader = ArrayRows(_first_arrays(paths[0], names[0], roots))
+        reader = ArrayRows(_first_arrays(paths[0], names[0], storage))
         layout = _array_layout(req.batch_size, reader, extra)
     else:
         transform, reader = _pixels(req, kind, fields)
@@ -373,11 +373,11 @@ def _sample_transforms(req: feed_pb2.StreamRequest, kind: str,
         raise InvalidRequest(str(e)) from None
 
 
-def _first_arrays(path: str, name: str, roots: Storage) -> dict[str, np.ndarray]:
+def _first_arrays(path: str, name: str, storage: Storage) -> dict[str, np.ndarray]:
     """The first sample's arrays, which set the stream's layout."""
     try:
-        with os.fdopen(roots.open_checked(path), "rb") as file:
-            first = read_arrays(file, posixpath.splitext(path)[1], roots.max_file_bytes)
+        with os.fdopen(storage.open_checked(path), "rb") as file:
+            first = read_arrays(file, posixpath.splitext(path)[1], storage.max_file_bytes)
     except OutsideDataRoots as e:
         raise Forbidden(f"samples[0]: {e}") from None
     except FileNotFoundError:
@@ -430,7 +430,7 @@ def _image_layout(batch_size: int, transform: OutputTransform, own: list[tuple],
 
 
 def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: np.ndarray | None,
-            roots: Storage) -> tuple[np.ndarray | None, list[str]]:
+            storage: Storage) -> tuple[np.ndarray | None, list[str]]:
     """Per-sample labels (or None) and, for folder labels, the class names."""
     source = req.label_source
     if req.labels and source != feed_pb2.LABELS_FROM_REQUEST:
@@ -454,7 +454,7 @@ def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: np.ndarra
         return listed, []
     if source == feed_pb2.LABELS_FROM_FOLDER:
         try:
-            return folder_labels(samples, list(req.classes), roots)
+            return folder_labels(samples, list(req.classes), storage)
         except OutsideDataRoots as e:
             raise Forbidden(f"label_source: {e}") from None
         except FolderError as e:
@@ -462,7 +462,7 @@ def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: np.ndarra
     raise InvalidRequest(f"label_source: unknown value {source}")
 
 
-def _sample_names(req: feed_pb2.StreamRequest, roots: Storage, limits: Limits
+def _sample_names(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits
                   ) -> tuple[SampleNames, np.ndarray | None, str]:
     """The sample names, the list file's labels when label_source asks for them, the prefix.
 
@@ -477,13 +477,13 @@ def _sample_names(req: feed_pb2.StreamRequest, roots: Storage, limits: Limits
     if "\0" in req.list_file:
         raise InvalidRequest(f"list_file: {req.list_file!r} contains a NUL byte")
     try:
-        path = roots.locate(req.list_file)
+        path = storage.locate(req.list_file)
         if os.path.isdir(path):
             if req.label_source == feed_pb2.LABELS_FROM_LIST_FILE:
                 raise InvalidRequest(f"list_file: {req.list_file!r} is a directory; labels from "
                                      "the list file need a list file")
             return _pack([req.list_file], limits), None, ""
-        data = roots.read(path, limits.max_list_bytes, "--max-list-bytes")
+        data = storage.read(path, limits.max_list_bytes, "--max-list-bytes")
     except OutsideDataRoots as e:
         raise Forbidden(f"list_file: {e}") from None
     except (FileNotFoundError, IsADirectoryError):
@@ -540,7 +540,7 @@ def _split_labels(lines: Iterable[str], labels: array) -> Iterator[str]:
 
 
 def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
-                roots: Storage, limits: Limits) -> ShardSet | None:
+                storage: Storage, limits: Limits) -> ShardSet | None:
     """The named tar shards, indexed (shards.py); None when the names are loose files."""
     try:
         # types: SampleNames is a sequence of str, not a list
@@ -549,7 +549,7 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
         # A shard holds at least one sample (an unreadable one counts as one failed
         # sample): names over --max-samples are refused before they are made.
         # types: as above
-        paths = locate_shards(names, prefix, roots,  # pyright: ignore[reportArgumentType]
+        paths = locate_shards(names, prefix, storage,  # pyright: ignore[reportArgumentType]
                               limits.max_samples)
     except OutsideDataRoots as e:
         raise Forbidden(f"samples: {e}") from None
@@ -561,7 +561,7 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
     if req.labels or req.label_source != feed_pb2.LABELS_FROM_REQUEST:
         raise InvalidRequest("labels: tar shards carry their labels (.cls or .txt members); "
                              "give neither labels nor label_source")
-    shards = ShardSet.index(roots, paths)
+    shards = ShardSet.index(storage, paths)
     if shards.num_samples > limits.max_samples:
         raise LimitExceeded(f"samples: the shards hold {shards.num_samples} samples, over the "
                             f"server's --max-samples {limits.max_samples}")
@@ -571,7 +571,7 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
     return shards
 
 
-def _sample_files(names: SampleNames, prefix: str, roots: Storage, max_samples: int
+def _sample_files(names: SampleNames, prefix: str, storage: Storage, max_samples: int
                   ) -> SampleFiles:
     """Located paths, each directory among them replaced by the files under it.
 
@@ -583,18 +583,18 @@ def _sample_files(names: SampleNames, prefix: str, roots: Storage, max_samples: 
         i = next(i for i, name in enumerate(names) if "\0" in prefix + name)
         raise InvalidRequest(f"samples[{i}]: {prefix + names[i]!r} contains a NUL byte")
     if all(is_sample_file(name) for name in names):
-        return SampleFiles(names, _located(names, prefix, roots))
+        return SampleFiles(names, _located(names, prefix, storage))
     found_names: list[str] = []
     found_paths: list[str] = []
     listings: list[Listing] = []
     for i, name in enumerate(names):
         try:
-            path = roots.locate(prefix + name)
+            path = storage.locate(prefix + name)
             if is_sample_file(name) or not os.path.isdir(path):
                 found_names.append(name)
                 found_paths.append(path)
                 continue
-            listed = list_directory(path, name, roots, max_samples - len(found_paths))
+            listed = list_directory(path, name, storage, max_samples - len(found_paths))
         except OutsideDataRoots as e:
             raise Forbidden(f"samples[{i}]: {e}") from None
         except TooManyFiles as e:
@@ -614,7 +614,7 @@ def _sample_files(names: SampleNames, prefix: str, roots: Storage, max_samples: 
     return SampleFiles(SampleNames.pack(found_names), SampleNames.pack(found_paths), listings)
 
 
-def _located(names: SampleNames, prefix: str, roots: Storage) -> LocatedPaths:
+def _located(names: SampleNames, prefix: str, storage: Storage) -> LocatedPaths:
     """The names' paths, every one checked to lie under the roots (lexically) now.
 
     A relative name without ``..`` after a relative prefix without one cannot
@@ -622,10 +622,10 @@ def _located(names: SampleNames, prefix: str, roots: Storage) -> LocatedPaths:
     """
     if not (os.path.isabs(prefix) or ".." in prefix or names.contains("..")
             or (not prefix and names.any_starts_with("/"))):
-        return LocatedPaths(names, prefix, roots)
+        return LocatedPaths(names, prefix, storage)
     for i, name in enumerate(names):
         try:
-            roots.locate(prefix + name)
+            storage.locate(prefix + name)
         except OutsideDataRoots as e:
             raise Forbidden(f"samples[{i}]: {e}") from None
-    return LocatedPaths(names, prefix, roots)
+    return LocatedPaths(names, prefix, storage)

@@ -107,11 +107,11 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
     ``grace`` seconds. Thread-safe: gRPC calls every method from its own threads.
     """
 
-    def __init__(self, roots: Storage, pool: DecodePool[Decoders], shm: ShmNamespace,
+    def __init__(self, storage: Storage, pool: DecodePool[Decoders], shm: ShmNamespace,
                  limits: Limits, max_streams: int, metrics: ServerMetrics | None = None,
                  device=None, watchdog: Watchdog | None = None):
         self._watchdog = watchdog if watchdog is not None else Watchdog()
-        self._roots = roots
+        self._storage = storage
         self._device = device  # a torch.device for cuda:N; None on a CPU server
         self._metrics = metrics if metrics is not None else ServerMetrics(pool)
         self._pool = pool
@@ -132,7 +132,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             devices=[str(self._device or "cpu")],
             gpu_uuid=self._memories.gpu_uuid,
             transports=self.transports,
-            data_roots=self._roots.roots,
+            data_roots=self._storage.roots,
             shm_probe=self._memories.shm_probe(),
             decode_threads=self._pool.threads,
         )
@@ -148,7 +148,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         reserved = 0
         try:
             try:
-                plan = plan_stream(first.open, self._roots, self._limits, self.transports)
+                plan = plan_stream(first.open, self._storage, self._limits, self.transports)
                 reserved = self._memory.reserve(
                     plan.num_slots * plan.layout.slot_bytes + plan.nbytes,
                     f"this stream ({plan.num_slots} slots of {plan.layout.slot_bytes} bytes, "
@@ -201,7 +201,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
 
     def _serve(self, plan: StreamPlan, job: SharedJob | None, memory: SlotMemory,
                request_iterator, context):
-        stream = Stream(plan, self._roots, self._pool, memory, self._metrics, source=job)
+        stream = Stream(plan, self._storage, self._pool, memory, self._metrics, source=job)
         reader = threading.Thread(target=_read_client, name="gpufeed-client-reader",
                                   args=(request_iterator, stream), daemon=True)
         with self._lock:

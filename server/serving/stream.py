@@ -150,7 +150,7 @@ class SlotBatch:
         """Sample ``index`` into row ``row``, then the request's sample transforms on it;
         raises what reading, decoding or a transform raises."""
         stream = self._stream
-        stream.plan.reader.read_into(stream.roots, stream.plan.paths[index], index,
+        stream.plan.reader.read_into(stream.storage, stream.plan.paths[index], index,
                                      self.arrays, row, decoders, stream.metrics.stages)
         if stream.plan.sample_transforms is not None:
             stream.plan.sample_transforms.apply(self.arrays, row, index)
@@ -198,9 +198,9 @@ class SlotBatch:
         self._stream.metrics.failed([category for _, category, _ in self._failed_rows])
         # Each reason names its file: a trainer that named a directory has no list to
         # look the index up in.
-        roots = self._stream.roots
+        storage = self._stream.storage
         self.failures = sorted(
-            (index, category, f"{roots.shown(plan.paths[index])}: {why}")
+            (index, category, f"{storage.shown(plan.paths[index])}: {why}")
             for index, category, why in ((int(self.indices[row]), category, why)
                                          for row, category, why in self._failed_rows))
         kept, padded = self.indices[ok], self.padded[ok]
@@ -236,14 +236,14 @@ class Stream:
     shared memory, after ``wait_attached``).
     """
 
-    def __init__(self, plan: StreamPlan, roots: Storage, pool: DecodePool[Decoders],
+    def __init__(self, plan: StreamPlan, storage: Storage, pool: DecodePool[Decoders],
                  memory: SlotMemory, metrics: ServerMetrics | None = None,
                  source: BatchSource | None = None):
         self.plan = plan
         self.memory = memory
         self.source = source if source is not None else OwnBatches(plan)
         self.metrics = metrics if metrics is not None else ServerMetrics()
-        self.roots = roots
+        self.storage = storage
         self.ring = SlotRing(memory.host, plan.num_slots, plan.layout.slot_bytes)
         self.cond = threading.Condition()
         self.state = StreamState.SERVING
@@ -389,7 +389,7 @@ class Stream:
                 batch.arrays = {}
             self._batches.clear()
             self.ring.close()
-        self.plan.reader.forget(self.roots)  # reads issued ahead for rows never decoded
+        self.plan.reader.forget(self.storage)  # reads issued ahead for rows never decoded
         self.source.give_back(unsent)
 
     def _start_ready(self) -> None:
@@ -401,5 +401,5 @@ class Stream:
             batch = SlotBatch(self, self._next_seq, self.ring.lease(self._next_seq), number)  # pyright: ignore[reportArgumentType]
             self._batches[self._next_seq] = batch
             self._next_seq += 1
-            self.plan.reader.read_ahead(self.roots, batch.indices, self.plan.paths)  # I/O stage
+            self.plan.reader.read_ahead(self.storage, batch.indices, self.plan.paths)  # I/O stage
             self._pool.submit(self, batch, range(len(batch.indices)))
