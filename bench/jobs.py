@@ -21,8 +21,10 @@ what the job asks for, so a row cannot look fast by doing less.
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["AUGMENT", "FLIP", "JITTER", "JOBS", "MEAN", "RATIO", "SCALE", "STD", "centre_box",
-           "check_batch", "shorter_side"]
+           "check_batch", "random_box", "shorter_side"]
 
 # Job -> its title in the table.
 JOBS = {
@@ -58,6 +60,32 @@ def centre_box(width: int, height: int, size: tuple[int, int]) -> tuple[float, f
     scale = min(width, height) / shorter_side(size)
     box_height, box_width = size[0] * scale, size[1] * scale
     return (width - box_width) / 2, (height - box_height) / 2, box_width, box_height
+
+
+def random_box(width: int, height: int) -> tuple[int, int, int, int]:
+    """(left, top, width, height) of a random-resized-crop box in a width x height image,
+    sampled as torchvision's ``RandomResizedCrop.get_params`` does, from torch's generator
+    (which DataLoader seeds differently in each worker)."""
+    import torch
+
+    area = width * height
+    log_ratio = (math.log(RATIO[0]), math.log(RATIO[1]))
+    for _ in range(10):
+        target = area * torch.empty(()).uniform_(*SCALE).item()
+        aspect = math.exp(torch.empty(()).uniform_(*log_ratio).item())
+        box_width = round(math.sqrt(target * aspect))
+        box_height = round(math.sqrt(target / aspect))
+        if 0 < box_width <= width and 0 < box_height <= height:
+            top = int(torch.randint(0, height - box_height + 1, ()).item())
+            left = int(torch.randint(0, width - box_width + 1, ()).item())
+            return left, top, box_width, box_height
+    # No try fitted: the centre, at the allowed aspect nearest the image's.
+    aspect = min(max(width / height, RATIO[0]), RATIO[1])
+    if width / height < aspect:  # too tall: full width
+        box_width, box_height = width, round(width / aspect)
+    else:  # too wide, or allowed as it is: full height
+        box_width, box_height = round(height * aspect), height
+    return (width - box_width) // 2, (height - box_height) // 2, box_width, box_height
 
 
 def check_batch(shape, dtype, size: tuple[int, int], job: str) -> None:

@@ -15,6 +15,10 @@ images/s since the clock started, from the same clock and the same start as
 the final figure), so a result that looks wrong can be checked against the
 row's own history; the lines are kept in the result too.
 
+The trainer's own CPU (this process alone, ``time.process_time``) is taken
+over the same window and reported per batch: what a training step pays to
+receive its batch, apart from what the loader spends elsewhere.
+
 CPU is the CPU time of this process and all of its descendants (decode
 threads, DataLoader workers, the gpufeed server, the tf.data service), read
 from /proc at the window's two ends. That counts everything a row spends,
@@ -57,6 +61,14 @@ class Result:
     end_of_sequence_seconds: float | None = None
     teardown_seconds: float | None = None
     progress: list[tuple[float, int, float]] = field(default_factory=list)
+    measured_batches: int = 0
+    trainer_cpu_seconds: float | None = None  # this process alone, over the window
+
+    @property
+    def trainer_cpu_ms_per_batch(self) -> float | None:
+        if self.trainer_cpu_seconds is None or not self.measured_batches:
+            return None
+        return 1000 * self.trainer_cpu_seconds / self.measured_batches
 
     @property
     def images_per_second(self) -> float:
@@ -68,7 +80,8 @@ class Result:
 
     def to_json(self) -> dict:
         return {**asdict(self), "images_per_second": self.images_per_second,
-                "cpu_seconds_per_1000": self.cpu_per_1000}
+                "cpu_seconds_per_1000": self.cpu_per_1000,
+                "trainer_cpu_ms_per_batch": self.trainer_cpu_ms_per_batch}
 
 
 class Meter:
@@ -90,6 +103,7 @@ class Meter:
         self._first: float | None = None
         self._start: tuple[float, float, int] | None = None  # (time, CPU s, images)
         self._last: tuple[float, float, int] | None = None
+        self._own: tuple[tuple[float, int], tuple[float, int]] | None = None  # (CPU s, batch)
         self._exhausted: float | None = None
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._next_report = 0.0
@@ -104,11 +118,14 @@ class Meter:
         if self._batches < self.warmup:
             return
         point = (now, self._cpu(), self.images)
+        own = (time.process_time(), self._batches)
         if self._batches == self.warmup:
             self._start = self._last = point
+            self._own = (own, own)
             self._next_report = now + 1.0
             return
         self._last = point
+        self._own = (self._own[0], own)
         if now >= self._next_report:
             self._next_report = now + 1.0
             seconds, images = now - self._start[0], self.images - self._start[2]
@@ -129,6 +146,7 @@ class Meter:
         decide the window themselves and count ``images`` as batches arrive.
         """
         self._start, self._last = start, end
+        self._own = None  # the batches arrived elsewhere
         self._first = self._first or start[0]
 
     def result(self, note: str = "") -> Result:
@@ -140,11 +158,15 @@ class Meter:
         if self._progress or n1 > n0:
             self._log(f"    {self.name}: steady state {n1 - n0} images in {t1 - t0:.2f} s, "
                       f"{(n1 - n0) / (t1 - t0) if t1 > t0 else 0:.0f} img/s")
+        own = {}
+        if self._own is not None:
+            (cpu0, batch0), (cpu1, batch1) = self._own
+            own = dict(measured_batches=batch1 - batch0, trainer_cpu_seconds=cpu1 - cpu0)
         return Result(self.name, self.images, self.expected, n1 - n0, t1 - t0, c1 - c0, note,
                       startup_seconds=self._first - self._born,
                       end_of_sequence_seconds=max(0.0, self._exhausted - t1),
                       teardown_seconds=max(0.0, finished - t1),
-                      progress=self._progress)
+                      progress=self._progress, **own)
 
 
 class TreeCpu:

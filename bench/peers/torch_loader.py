@@ -25,7 +25,6 @@ which DataLoader seeds differently in each worker.
 
 from __future__ import annotations
 
-import math
 from typing import IO
 
 import numpy as np
@@ -60,7 +59,7 @@ def pillow_image(file: str | IO[bytes], size: tuple[int, int], job: str) -> torc
             out = rgb.resize((width, height), Image.BILINEAR,
                              box=(left, top, left + box_width, top + box_height))
         else:
-            left, top, box_width, box_height = _random_box(*rgb.size)
+            left, top, box_width, box_height = jobs.random_box(*rgb.size)
             out = rgb.resize((width, height), Image.BILINEAR,
                              box=(left, top, left + box_width, top + box_height))
             if torch.rand(()) < jobs.FLIP:
@@ -100,28 +99,6 @@ def _augmented(chw: np.ndarray) -> torch.Tensor:
 # (x / 255 - mean) / std as one multiply and one subtract per pixel and channel.
 _SCALE = torch.tensor([1 / (255 * s) for s in jobs.STD]).view(3, 1, 1)
 _SHIFT = torch.tensor([m / s for m, s in zip(jobs.MEAN, jobs.STD)]).view(3, 1, 1)
-
-
-def _random_box(width: int, height: int) -> tuple[int, int, int, int]:
-    """(left, top, width, height) of a random-resized-crop box, sampled as torchvision does."""
-    area = width * height
-    log_ratio = (math.log(jobs.RATIO[0]), math.log(jobs.RATIO[1]))
-    for _ in range(10):
-        target = area * torch.empty(()).uniform_(*jobs.SCALE).item()
-        aspect = math.exp(torch.empty(()).uniform_(*log_ratio).item())
-        box_width = round(math.sqrt(target * aspect))
-        box_height = round(math.sqrt(target / aspect))
-        if 0 < box_width <= width and 0 < box_height <= height:
-            top = int(torch.randint(0, height - box_height + 1, ()).item())
-            left = int(torch.randint(0, width - box_width + 1, ()).item())
-            return left, top, box_width, box_height
-    # No try fitted: the centre, at the allowed aspect nearest the image's.
-    aspect = min(max(width / height, jobs.RATIO[0]), jobs.RATIO[1])
-    if width / height < aspect:  # too tall: full width
-        box_width, box_height = width, round(width / aspect)
-    else:  # too wide, or allowed as it is: full height
-        box_width, box_height = round(height * aspect), height
-    return (width - box_width) // 2, (height - box_height) // 2, box_width, box_height
 
 
 def run(config, meter, job: str, workers: int) -> str:
