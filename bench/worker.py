@@ -72,6 +72,13 @@ def _trainers(count):
     return run
 
 
+def _gpufeed_gpu(how):
+    def run(c, m):
+        from .peers import gpufeed
+        return gpufeed.run_gpu(c, m, "train-u8", how)
+    return run
+
+
 def _arrays(fmt, how, workers=0):
     def run(c, m):
         from .peers import arrays
@@ -150,6 +157,21 @@ ROWS = {
     "tf-rrc-u8": _row("tf.data, in-process (decode_and_crop_jpeg + flip)", "tfdata", "train-u8"),
     "dali-rrc-u8": _row("DALI, CPU only (decoders.image_random_crop + resize + flip)", "dali",
                         "train-u8"),
+    # training on a GPU host (bench/gpu/run.sh): the batches end on the trainer's GPU
+    "gpufeed-shm-h2d-rrc-u8": Row("gpufeed -> trainer process, shm, then the trainer's copy to "
+                                  "the GPU, random-resized-crop + flip", _gpufeed_gpu("shm-h2d"),
+                                  "train-u8"),
+    "gpufeed-cuda-rrc-u8": Row("gpufeed -> trainer process, cuda_ipc (CPU decode), "
+                               "random-resized-crop + flip", _gpufeed_gpu("cuda_ipc"), "train-u8"),
+    "gpufeed-nvimgcodec-rrc-u8": Row("gpufeed -> trainer process, cuda_ipc, --decoder nvimgcodec, "
+                                     "random-resized-crop + flip", _gpufeed_gpu("nvimgcodec"),
+                                     "train-u8"),
+    "torchvision-gpu-rrc-u8": _row("torch DataLoader, 4 workers reading bytes; torchvision "
+                                   "decode_jpeg + RandomResizedCrop + flip on the GPU",
+                                   "torchvision_gpu", "train-u8", 4),
+    "nvimgcodec-ceiling-rrc-u8": _row("nvImageCodec batched region decode + resize + flip "
+                                      "(no service; its ceiling)", "nvimgcodec_ceiling",
+                                      "train-u8"),
     # training: the same, normalised, float16 (torchvision's ImageNet recipe)
     "gpufeed-shm-rrc": _row("gpufeed -> trainer process, shm, random-resized-crop + flip + "
                             "normalize, float16", "gpufeed", "train-f16", "shm"),

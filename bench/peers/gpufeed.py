@@ -9,6 +9,11 @@ the recipe's scale and ratio, ``flip=0.5``, uint8 or float16 normalised; or
 ``resize="center_crop"`` with the evaluation's shorter side. Each pass over
 the files is one stream.
 
+``run_gpu`` is the trainer on a GPU host: over shm, copying each batch to the
+GPU itself (``.cuda(non_blocking=True)``, as the README's training loop does),
+or over cuda_ipc from a server started with ``--device cuda:0``, its batches
+already on the GPU; with ``--decoder nvimgcodec`` too where the server has it.
+
 ``run_trainers`` starts ``count`` trainer processes (``bench.trainer``), each
 with its own loader over the same files, over shm, on one server, and
 releases them together. Each reports every batch with a CLOCK_MONOTONIC time
@@ -43,15 +48,20 @@ def _options(job: str, size: tuple[int, int], transform: str = "") -> dict:
     return crop
 
 
-def measure(loader, config, meter, job: str = "squash") -> None:
+def measure(loader, config, meter, job: str = "squash", to_gpu: bool = False) -> None:
     """Meter ``config.passes`` passes of a gpufeed loader, its first batch checked
-    to be the job's output (every gpufeed row reads its batches this way)."""
+    to be the job's output (every gpufeed row reads its batches this way);
+    ``to_gpu``: each batch's image copied to the GPU as a trainer would."""
     for epoch in range(config.passes):
         loader.set_epoch(epoch)
         for batch in loader:
             image = batch["image"]
+            if to_gpu:
+                image = image.cuda(non_blocking=True)
             if meter.images == 0:
                 jobs.check_batch(image.shape, image.dtype, tuple(config.size), job)
+                if to_gpu and not image.is_cuda:
+                    raise RuntimeError("the row's batches are not on the GPU")
             meter.batch(int(image.shape[0]))
     meter.stop()
 
@@ -71,6 +81,42 @@ def run(config, meter, job: str, transport: str, transform: str = "") -> str:
         if loader.transport != transport:
             raise RuntimeError(f"asked for {transport}, the server chose {loader.transport}")
     return f"server: {config.threads} decode threads; trainer in another process"
+
+
+def run_gpu(config, meter, job: str, how: str) -> str:
+    """``how``: "shm-h2d" (shm, then the trainer's copy to the GPU), "cuda_ipc" (the server
+    assembles batches on the GPU) or "nvimgcodec" (cuda_ipc, decoded on the GPU)."""
+    import torch
+
+    from gpufeed.client import FeedClient
+    from gpufeed.server.process import ServerProcess
+
+    from . import Unavailable
+
+    if not torch.cuda.is_available():
+        raise Unavailable("no CUDA device")
+    size = tuple(config.size)
+    args = ["--data-root", config.root, "--threads", str(config.threads)]
+    if how != "shm-h2d":
+        args += ["--device", "cuda:0"]
+    if how == "nvimgcodec":
+        args += ["--decoder", "nvimgcodec"]
+    transport = "shm" if how == "shm-h2d" else "cuda_ipc"
+    try:
+        server = ServerProcess(args).start()
+    except RuntimeError as e:
+        if how == "nvimgcodec" and "--decoder" in str(e):
+            raise Unavailable("this server has no --decoder nvimgcodec yet") from None
+        raise
+    with server, FeedClient(server.address) as feed:
+        loader = feed.loader(files=config.list_file, batch_size=config.batch_size,
+                             size=size, transport=transport, **_options(job, size))
+        measure(loader, config, meter, job, to_gpu=how == "shm-h2d")
+        if loader.transport != transport:
+            raise RuntimeError(f"asked for {transport}, the server chose {loader.transport}")
+    decoder = "nvImageCodec on the GPU" if how == "nvimgcodec" else (
+        f"{config.threads} decode threads")
+    return f"server: {decoder}, {transport}; trainer in another process"
 
 
 def run_trainers(config, meter, count: int):
