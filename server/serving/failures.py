@@ -27,8 +27,21 @@ _log = logging.getLogger(__name__)
 _logged_bugs: set[str] = set()  # exception types whose traceback the log has shown
 
 
-def sample_failure(error: Exception, index: int, path: str) -> tuple[int, str]:
-    """(category, detail) of the error that failed sample ``index`` (read from ``path``)."""
+def sample_failure(error: BaseException, index: int, path: str) -> tuple[int, str]:
+    """(category, detail) of the error that failed sample ``index`` (read from ``path``).
+
+    Never raises: an error that cannot describe itself (its ``__str__`` raises) is
+    an internal failure all the same, since the decode thread that asks must
+    still count its row.
+    """
+    try:
+        return _classified(error, index, path)
+    except Exception:
+        return (feed_pb2.FAILURE_INTERNAL,
+                f"internal error: {type(error).__name__} (whose message could not be made)")
+
+
+def _classified(error: BaseException, index: int, path: str) -> tuple[int, str]:
     if isinstance(error, FileNotFoundError):  # an error without errno says what is missing
         return feed_pb2.FAILURE_NOT_FOUND, "file not found" if error.errno else str(error)
     if isinstance(error, PermissionError):
@@ -51,7 +64,7 @@ def _strerror(error: OSError) -> str:
     return os.strerror(error.errno) if error.errno else str(error)
 
 
-def log_sample_bug(error: Exception, index: int, path: str) -> None:
+def log_sample_bug(error: BaseException, index: int, path: str) -> None:
     """Log a sample's unexpected error with its traceback the first time its type is
     seen in this process, and at debug level after that: a bug that every sample
     hits would otherwise write a traceback per sample. The client gets each

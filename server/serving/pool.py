@@ -122,7 +122,7 @@ class DecodePool(Generic[State]):
             job, row = task
             try:
                 job.decode_row(row, state)
-            except Exception:  # a bug, not bad data: keep the thread alive, say so
+            except BaseException:  # a bug, not bad data: keep the thread alive, say so
                 _log.exception("decode task failed")
             # Held while this thread waits, the last task would keep its stream (and the
             # stream's plan: megabytes for a long list) alive after the stream ended.

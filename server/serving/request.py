@@ -46,7 +46,7 @@ from ..media.samples import (
 from ..memory.budget import default_memory_bytes, return_free_memory
 from ..memory.ring import BatchLayout
 from ..storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots, SamplePaths
-from ..storage.roots import Storage
+from ..storage.roots import Storage, is_s3
 from ..storage.shards import (
     TAKEN_SUFFIXES,
     ShardRows,
@@ -619,9 +619,11 @@ def _located(names: SampleNames, prefix: str, storage: Storage) -> LocatedPaths:
 
     A relative name without ``..`` after a relative prefix without one cannot
     leave the roots: when no name has either, the per-name check is skipped.
+    An ``s3://`` name (or prefix) is always checked: it names its bucket and
+    key itself, which may lie under no root, or on a server with none.
     """
-    if not (os.path.isabs(prefix) or ".." in prefix or names.contains("..")
-            or (not prefix and names.any_starts_with("/"))):
+    if not (os.path.isabs(prefix) or ".." in prefix or is_s3(prefix) or names.contains("..")
+            or names.contains("s3://") or (not prefix and names.any_starts_with("/"))):
         return LocatedPaths(names, prefix, storage)
     for i, name in enumerate(names):
         try:

@@ -73,6 +73,14 @@ class StreamState(enum.Enum):
     GONE = "gone"
 
 
+def _described(error: BaseException) -> str:
+    """``Type: message``, or the type alone when the message cannot be made."""
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:
+        return type(error).__name__
+
+
 class SlotBatch:
     """A batch being filled in one slot; ``rows`` is its final sample count. (The wire's
     ``feed_pb2.Batch`` is the message that describes a finished one to the client.)
@@ -104,15 +112,22 @@ class SlotBatch:
         self._started = time.perf_counter()  # the batch stage's start
 
     def decode_row(self, row: int, decoders: Decoders) -> None:
-        """Read sample ``indices[row]`` into row ``row`` (run by a decode thread)."""
+        """Read sample ``indices[row]`` into row ``row`` (run by a decode thread).
+
+        Whatever reading, decoding or a plugin's transform raises fails that sample
+        alone: the row is always counted, or its batch would never finish and its
+        trainer would wait for it forever.
+        """
         stream = self._stream
         failure = None
         if not stream.cancelled:
             index = int(self.indices[row])
             try:
                 self._read(index, row, decoders)
-            except Exception as e:  # the sample fails, the stream goes on (failures.py)
-                failure = sample_failure(e, index, stream.plan.paths[index])
+            # BaseException too: a plugin's sys.exit() or a stray KeyboardInterrupt would
+            # otherwise end this decode thread with the row uncounted.
+            except BaseException as e:  # the sample fails, the stream goes on (failures.py)
+                failure = sample_failure(e, index, self._shown(index))
         with stream.cond:
             if failure is not None:
                 self._failed_rows.append((row, *failure))
@@ -121,13 +136,14 @@ class SlotBatch:
         if last:  # every row is written: this thread alone finishes the batch, unlocked
             try:
                 self._finish(decoders)
-            except Exception as e:  # a bug, or out of memory: end the stream, say why
+            except BaseException as e:  # a bug, or out of memory: end the stream, say why
                 _log.exception("finishing batch %d", self.seq)
                 stream.cancel(ServerFault(f"server error finishing batch {self.seq}: "
-                                          f"{type(e).__name__}: {e}"))
-            with stream.cond:
-                self.done = True
-                stream.cond.notify_all()
+                                          f"{_described(e)}"))
+            finally:
+                with stream.cond:
+                    self.done = True
+                    stream.cond.notify_all()
 
     def sent(self, name: str) -> np.ndarray:
         """The array ``name`` as sent: its first ``rows`` rows, or, for a packed
@@ -137,6 +153,16 @@ class SlotBatch:
         if length is None:
             return array[:self.rows]
         return array.reshape(-1, *array.shape[2:])[:length]
+
+    def _shown(self, index: int) -> str:
+        """Sample ``index``'s file as the request named it, for a failure's reason; its
+        position if even that fails (a name that cannot be located is a failure to
+        report, not a second one to raise)."""
+        storage = self._stream.storage
+        try:
+            return storage.shown(self._stream.plan.paths[index])
+        except Exception:
+            return f"samples[{index}]"
 
     def skip_row(self, row: int) -> None:
         """Count a row of a cancelled stream as done without decoding it."""
@@ -179,7 +205,7 @@ class SlotBatch:
             try:
                 self._read(index, 0, decoders)
                 return np.array([index], dtype=np.int64)
-            except Exception:  # reported in its own batch
+            except BaseException:  # reported in its own batch (decode_row says why BaseException)
                 if tried == _REFILL_TRIES:
                     break
         self._stream.cancel(UnpaddableBatch(
@@ -198,9 +224,8 @@ class SlotBatch:
         self._stream.metrics.failed([category for _, category, _ in self._failed_rows])
         # Each reason names its file: a trainer that named a directory has no list to
         # look the index up in.
-        storage = self._stream.storage
         self.failures = sorted(
-            (index, category, f"{storage.shown(plan.paths[index])}: {why}")
+            (index, category, f"{self._shown(index)}: {why}")
             for index, category, why in ((int(self.indices[row]), category, why)
                                          for row, category, why in self._failed_rows))
         kept, padded = self.indices[ok], self.padded[ok]
