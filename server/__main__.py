@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import signal
 import sys
 import threading
@@ -104,6 +106,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# Seconds a stop may take beyond --drain-seconds (ending the calls, joining the threads,
+# unlinking shared memory) before the process exits regardless.
+_STOP_SECONDS = 5.0
+
+
+def _exit_by(seconds: float, log: logging.Logger) -> None:
+    """End the process ``seconds`` from now if it has not ended by itself.
+
+    A stop waits for the decode threads, and one may never return (a plugin's
+    transform that loops, a read the kernel never answers): then the process
+    exits anyway, saying so. A timer thread does it; should no Python thread get
+    to run (a C call holding the GIL), SIGALRM's default action ends the
+    process a few seconds later without one.
+    """
+    def _give_up() -> None:
+        log.error("still stopping %.0f s after the signal (a thread that does not return); "
+                  "exiting", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(math.ceil(seconds + _STOP_SECONDS))
+    timer = threading.Timer(seconds, _give_up)
+    timer.daemon = True
+    timer.start()
+
+
 def main(argv: list[str] | None = None) -> int:
     if _MISSING is not None:
         print(f"gpufeed-server: the server's dependencies are not installed ({_MISSING} is "
@@ -153,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
 
     def _on_signal(signum, frame):
+        if not stopping.is_set():
+            _exit_by(config.drain_seconds + _STOP_SECONDS, lifecycle)
         stopping.set()
 
     signal.signal(signal.SIGTERM, _on_signal)

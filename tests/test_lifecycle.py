@@ -135,3 +135,42 @@ def test_finished_streams_let_go_of_their_memory(data_dir, image_names):
                     if "/dev/shm/gpufeed-" in link and "probe" not in link] + mapped
 
         assert wait_until(lambda: not held()), held()
+
+
+_STUCK_PLUGIN = '''
+import threading
+from pathlib import Path
+
+from gpufeed.server import transforms
+
+
+@transforms.register("never_returns")
+def never_returns(marker: str = ""):
+    def apply(sample, rng):
+        Path(marker).touch()  # the test waits for this, not for time
+        threading.Event().wait()  # a transform stuck for good on a decode thread
+    return apply
+'''
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_ends_the_server_even_when_a_decode_thread_never_returns(data_dir, image_names,
+                                                                         tmp_path):
+    """A stop waits for the decode threads; one that never returns must not keep the
+    process alive: it exits --drain-seconds plus a few seconds after the signal."""
+    (tmp_path / "stuckplugin.py").write_text(_STUCK_PLUGIN)
+    marker = tmp_path / "entered"
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    server = ServerProcess(["--data-root", str(data_dir), "--threads", "1", "--drain-seconds",
+                            "1", "--plugins", "stuckplugin"], env={"PYTHONPATH": path}).start()
+    try:
+        with FeedClient(server.address) as feed:
+            feed.loader(files=image_names[:4], batch_size=2, size=(16, 16),
+                        transforms=[("never_returns", {"marker": str(marker)})])
+            assert wait_until(marker.exists, timeout=60)
+            server.proc.send_signal(signal.SIGTERM)
+            code = server.proc.wait(timeout=90)  # without the watchdog: forever
+    finally:
+        server.kill()
+    assert code == 1
+    assert any("still stopping" in line and "exiting" in line for line in server.log)
