@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--s3-endpoint", metavar="URL",
                    help="S3-compatible endpoint for s3:// data roots (default: boto3's "
                         "AWS_ENDPOINT_URL or config, else AWS)")
+    p.add_argument("--s3-connect-timeout", type=float, default=ServerConfig.s3_connect_timeout,
+                   help="seconds to wait for a connection to S3 (default %(default)s)")
+    p.add_argument("--s3-read-timeout", type=float, default=ServerConfig.s3_read_timeout,
+                   help="seconds an S3 response may go silent before the read fails "
+                        "(its samples: category timeout; default %(default)s)")
     p.add_argument("--io-threads", type=int, default=ServerConfig.io_threads,
                    help="threads reading S3 objects ahead of the decode threads "
                         "(default %(default)s)")
@@ -71,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="largest batch, in bytes (default %(default)s)")
     p.add_argument("--max-samples", type=int, default=Limits.max_samples,
                    help="longest sample list a request may name (default %(default)s)")
+    p.add_argument("--max-shards", type=int, default=Limits.max_shards,
+                   help="most tar shards a request may name, refused before any is indexed "
+                        "(default %(default)s)")
     p.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
                    help="largest client message, i.e. request with its inline file list "
                         "(default %(default)s)")
@@ -165,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             max_waiting_calls=args.max_waiting_calls, open_timeout=args.open_timeout,
             limits=Limits(max_prefetch=args.max_prefetch, max_batch_bytes=args.max_batch_bytes,
                           max_samples=args.max_samples, lease_timeout=args.lease_timeout,
+                          max_shards=args.max_shards,
                           max_list_bytes=args.max_list_bytes,
                           max_memory_bytes=args.max_memory_bytes),
             max_request_bytes=args.max_request_bytes, max_pixels=args.max_pixels,
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             drain_seconds=args.drain_seconds, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca, s3_endpoint=args.s3_endpoint,
             io_threads=args.io_threads, read_ahead_bytes=args.read_ahead_bytes,
+            s3_connect_timeout=args.s3_connect_timeout, s3_read_timeout=args.s3_read_timeout,
             plugins=[m.strip() for arg in args.plugins for m in arg.split(",") if m.strip()],
             token=read_token(args.token_file) if args.token_file else None,
         )

@@ -32,7 +32,7 @@ from .serving.service import FeedServicer
 from .serving.watchdog import Watchdog
 from .serving.wire import add_feed_servicer
 from .storage.paths import DEFAULT_MAX_FILE_BYTES
-from .storage.roots import Storage
+from .storage.roots import S3_CONNECT_TIMEOUT, S3_READ_TIMEOUT, Storage
 
 __all__ = ["FeedServer", "ServerConfig"]
 
@@ -73,6 +73,9 @@ class ServerConfig:
     token: str | None = None
     # Endpoint of S3-compatible storage for s3:// data roots (None: boto3's own settings).
     s3_endpoint: str | None = None
+    # Seconds to connect to S3, and that a response may go silent (roots.py says why).
+    s3_connect_timeout: float = S3_CONNECT_TIMEOUT
+    s3_read_timeout: float = S3_READ_TIMEOUT
     # The I/O stage for S3 reads: its threads, and the bytes it may hold ahead (0: off).
     io_threads: int = 16
     read_ahead_bytes: int = 256 << 20
@@ -112,7 +115,9 @@ class FeedServer:
         self.config = config
         self._storage = Storage(config.data_roots, config.s3_endpoint, config.max_file_bytes,
                               connections=config.threads + 8, io_threads=config.io_threads,
-                              read_ahead_bytes=config.read_ahead_bytes)
+                              read_ahead_bytes=config.read_ahead_bytes,
+                              s3_connect_timeout=config.s3_connect_timeout,
+                              s3_read_timeout=config.s3_read_timeout)
         device = None
         if config.device != "cpu":
             from .memory.cuda_ipc import check_device

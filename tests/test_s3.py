@@ -2,7 +2,9 @@
 loopback): every sample once with its label, deterministic shuffle, mid-shard resume,
 bad and missing objects failing only their samples, and bucket/prefix confinement.
 Shards are read in chunks of whole samples: the server's metrics count the GETs and
-bytes of a pass, a shuffled pass and a resumed one."""
+bytes of a pass, a shuffled pass and a resumed one. An object overwritten after it was
+indexed fails its samples (never read at the old offsets), and an object store that
+stalls mid-answer (a proxy in front of SeaweedFS) fails its samples as timeouts."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import io
 import re
 import socket
 import tarfile
+import threading
 import urllib.request
+from urllib.parse import urlsplit
 
 import grpc
 import numpy as np
@@ -321,3 +325,159 @@ def test_resume_mid_shard_reads_only_the_samples_it_serves(s3, feed, metrics_add
     assert _metric(address, INDEX) == index  # the index is kept, not read again
     # Two GETs: sample 8 (not the shard's start) to its shard's end, then the next shard.
     assert reads.since() == (2, _runs_bytes(_sample_spans(s3.shards), served))
+
+
+def _labelled(loader) -> list[tuple[int, int, np.ndarray]]:
+    return [(i, label, image.copy()) for batch in loader
+            for i, label, image in zip(batch["index"].tolist(), batch["label"].tolist(),
+                                       batch["image"].numpy())]
+
+
+def _check(delivered, expected: dict[int, tuple[int, bytes]]) -> None:
+    """Every expected sample once (stream index -> (label, JPEG)), with its label and
+    pixels."""
+    assert sorted(i for i, _, _ in delivered) == sorted(expected)
+    for i, label, image in delivered:
+        assert label == expected[i][0], (i, label)
+        assert psnr(image, _reference(expected[i][1])) >= MIN_PSNR_DB, i
+
+
+def test_an_object_overwritten_after_its_index_fails_its_samples_not_shifted(s3, feed):
+    """The stream indexes both shards at open and fetches s-1's samples only when a batch
+    of them is claimed; s-1 is overwritten while the trainer holds the first batch, by a
+    version with one more leading sample. Each ranged GET asks If-Match the indexed ETag:
+    s-1's samples fail, named, none read at the old offsets of the new object. The next
+    request indexes the new version."""
+    client = s3.client()
+    first, first_jpegs = shard_bytes(0, 8)
+    old, old_jpegs = shard_bytes(8, 4)
+    new, new_jpegs = shard_bytes(7, 5)  # sample 7, then 8..11 as another version has them
+    client.put_object(Bucket="data", Key="train/swap/s-0.tar", Body=first)
+    client.put_object(Bucket="data", Key="train/swap/s-1.tar", Body=old)
+    names = ["s3://data/train/swap/s-{0..1}.tar"]
+    # One sample a batch, one batch ahead: the server is a few samples ahead of the
+    # trainer at most, far from s-1's first (8).
+    loader = feed.loader(names, batch_size=1, prefetch=1, size=SIZE, failure_budget=10)
+    delivered = []
+    for batch in loader:
+        if not delivered:
+            client.put_object(Bucket="data", Key="train/swap/s-1.tar", Body=new)
+        delivered += _labelled([batch])
+    _check(delivered, {i: (label_of(i), first_jpegs[i]) for i in range(8)})
+    assert sorted(f.index for f in loader.failures) == [8, 9, 10, 11]
+    for failure in loader.failures:
+        assert "shard changed since it was indexed" in failure.reason, failure
+        assert failure.category == "unreadable"
+    loader = feed.loader(names, batch_size=4, size=SIZE)
+    expected = {i: (label_of(i), first_jpegs[i]) for i in range(8)}
+    expected.update({8 + k: (label_of(7 + k), jpeg) for k, jpeg in enumerate(new_jpegs)})
+    _check(_labelled(loader), expected)
+    assert loader.failures == []
+
+
+class _StallingProxy:
+    """A TCP proxy in front of SeaweedFS that stalls the answers it is told to, mid-body.
+
+    Each connection carries one request: ``Connection: close`` is added to it (SigV4
+    does not sign it). An answer to a request that ``stall(method, target, headers)``
+    picks is passed on for its head and ``after`` bytes of its body, then its connection
+    is held open, silent, until ``close``: the server's read can only time out.
+    ``stalled`` counts those answers.
+    """
+
+    def __init__(self, upstream: str, stall, after: int = 100):
+        address = urlsplit(upstream)
+        self._upstream = (address.hostname, address.port)
+        self._stall, self._after = stall, after
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self.stalled = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        with client, socket.create_connection(self._upstream) as upstream:
+            request = _head(client, b"")
+            if request is None:
+                return
+            head, rest = request
+            first, *lines = head.split(b"\r\n")
+            method, target = first.decode().split(" ")[:2]
+            headers = {name.strip().lower().decode(): value.strip() for name, _, value in
+                       (line.partition(b":") for line in lines)}
+            kept = [line for line in lines if not line.lower().startswith(b"connection:")]
+            upstream.sendall(b"\r\n".join([first, *kept, b"Connection: close"]) + b"\r\n\r\n"
+                             + rest)
+            if not self._stall(method, target, headers):
+                while data := upstream.recv(1 << 16):
+                    client.sendall(data)
+                return
+            answer = _head(upstream, b"", least=self._after)
+            assert answer is not None
+            client.sendall(answer[0] + b"\r\n\r\n" + answer[1][:self._after])
+            with self._lock:
+                self.stalled += 1
+            self._closing.wait()
+
+
+def _head(sock: socket.socket, data: bytes, least: int = 0) -> tuple[bytes, bytes] | None:
+    """An HTTP message's head and what came after it (at least ``least`` bytes of it, if
+    the message has them) read from ``sock``; None if it closes first."""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < least:
+        more = sock.recv(1 << 16)
+        if not more:
+            return None if b"\r\n\r\n" not in data else data.partition(b"\r\n\r\n")[::2]
+        data += more
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def test_a_stalled_read_fails_its_samples_as_timeouts_and_the_pass_goes_on(s3):
+    """Behind a proxy that stalls, after 100 bytes of body, every ranged GET of one shard
+    (its samples' reads) and the whole-object GET of another (its index), the stalled
+    reads fail after --s3-read-timeout, category timeout, and the other shards' samples
+    are served, every one once with its label; then a normal pass."""
+    client = s3.client()
+    client.put_object(Bucket="data", Key="train/slow/samples.tar", Body=shard_bytes(100, 3)[0])
+    client.put_object(Bucket="data", Key="train/slow/index.tar", Body=shard_bytes(200, 2)[0])
+
+    def stall(method: str, target: str, headers: dict[str, bytes]) -> bool:
+        ranged = "range" in headers
+        return method == "GET" and (("/slow/samples.tar" in target and ranged)
+                                    or ("/slow/index.tar" in target and not ranged))
+
+    proxy = _StallingProxy(s3.endpoint, stall)
+    try:
+        with _server(s3, "--s3-endpoint", proxy.endpoint, "--s3-read-timeout", "1") as server, \
+                FeedClient(server.address) as feed:
+            loader = feed.loader(["s3://data/train/shard-00.tar", "s3://data/train/slow/samples.tar",
+                                  "s3://data/train/slow/index.tar", "s3://data/train/shard-01.tar"],
+                                 batch_size=4, size=SIZE, failure_budget=10)
+            delivered = _labelled(loader)
+            # shard-00: 0..5; samples.tar: 6..8; index.tar: 9 (its samples unknown);
+            # shard-01: 10..18, the fixture's samples 6..14.
+            expected = {i: (label_of(i), s3.jpegs[i]) for i in range(6)}
+            expected.update({10 + k: (label_of(6 + k), s3.jpegs[6 + k]) for k in range(9)})
+            _check(delivered, expected)
+            failures = {f.index: f for f in loader.failures}
+            assert sorted(failures) == [6, 7, 8, 9]
+            for failure in failures.values():
+                assert failure.category == "timeout", failure
+                assert "--s3-read-timeout" in failure.reason, failure
+            assert proxy.stalled >= 4  # each of samples.tar's 3 reads, and index.tar's
+            assert _checked_pass(s3, feed, [SHARDS]) == list(range(sum(COUNTS)))
+    finally:
+        proxy.close()

@@ -17,7 +17,9 @@ memory bound); this is how it holds:
   bytes; ``forget`` (the stream ended) drops what is left;
 - ``take`` hands a sample a memoryview of its chunk; a sample held by no chunk
   (local, a repeat in flight) or whose chunk's GET failed or came back short
-  reads its own range, so it fails, if at all, for what is wrong with it.
+  reads its own range, so it fails, if at all, for what is wrong with it;
+- a chunk's GET names the shard's version its index was made from (``If-Match``
+  its ETag, roots.py), so its bytes are that version's or it fails.
 """
 
 from __future__ import annotations
@@ -37,17 +39,18 @@ CHUNK_BYTES = 4 << 20
 # A stream's chunks hold at most this part of the read-ahead budget for samples ahead.
 _SHARE = 4
 
-Span = tuple[str, int, int]  # a sample's (shard path, offset, size) of the bytes it reads
+# A sample's bytes: (shard path, offset, size), and the shard's version its index describes.
+Span = tuple[str, int, int, str]
 
 
 class _Chunk:
-    """A run of ``samples`` whole samples: bytes [start, start + size) of ``path``;
-    ``live`` of them not yet taken."""
+    """A run of ``samples`` whole samples: bytes [start, start + size) of ``path`` (as of
+    ``version``); ``live`` of them not yet taken."""
 
-    __slots__ = ("path", "start", "size", "samples", "live", "pending")
+    __slots__ = ("path", "start", "size", "version", "samples", "live", "pending")
 
-    def __init__(self, path: str, start: int, size: int, samples: int):
-        self.path, self.start, self.size = path, start, size
+    def __init__(self, path: str, start: int, size: int, samples: int, version: str = ""):
+        self.path, self.start, self.size, self.version = path, start, size, version
         self.samples = self.live = samples
         self.pending: PendingRead | None = None
 
@@ -130,7 +133,7 @@ class ChunkReads:
         first = self._span(sample)
         if first is None:
             return None
-        path, start, size = first
+        path, start, size, version = first
         run = [(sample, start, size)]
         if size <= max_sample:
             room = share - self._bytes  # for samples ahead of the claimed batch
@@ -143,7 +146,7 @@ class ChunkReads:
                     break
                 run.append((later, span[1], span[2]))
         end = run[-1][1] + run[-1][2]
-        chunk = _Chunk(path, start, end - start, len(run))
+        chunk = _Chunk(path, start, end - start, len(run), version)
         self._bytes += chunk.size
         for held, offset, length in run:
             self._held[held] = (chunk, offset - start, length)
@@ -154,4 +157,5 @@ class ChunkReads:
     def _reader(storage: Storage, chunk: _Chunk) -> Callable[[], bytes]:
         # A run of several samples may exceed --max-file-bytes; each of its samples may not.
         limit = chunk.size if chunk.samples > 1 else None
-        return lambda: storage.read_range(chunk.path, chunk.start, chunk.size, limit)
+        return lambda: storage.read_range(chunk.path, chunk.start, chunk.size, limit,
+                                          chunk.version)

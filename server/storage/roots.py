@@ -15,7 +15,18 @@ as boto3 finds them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, the
 shared config and credentials files, an instance role). boto3 is the ``s3``
 extra and is imported only when a root is an S3 URL. One client is shared by
 every thread (boto3 clients are thread-safe), with a connection pool as large
-as the threads that use it.
+as the threads that use it. Its timeouts are stated (``--s3-connect-timeout``,
+``--s3-read-timeout``): a read from an object store that stops answering fails
+with TimeoutError (its samples' category is ``timeout``) instead of holding a
+thread for botocore's minute per attempt.
+
+A shard is read as the version its index describes, or not at all. ``version``
+names what a shard is now (a local file's device, inode, size and mtime; an
+object's size and ETag), the index records the version it read, and each read
+names it: a local shard's descriptor is checked once, when it is opened
+(``open_shard``), and an S3 range is asked for ``If-Match`` its ETag. A shard
+replaced meanwhile fails the read with ``ShardChanged`` rather than giving
+another version's bytes at the index's offsets.
 
 Loose S3 files are images only, read ahead as shard samples are (readahead.py):
 video and array readers need a seekable local file, and fail such a sample
@@ -31,18 +42,33 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import IO
 
 from .paths import DEFAULT_MAX_FILE_BYTES, DataRoots, FileTooLarge, OutsideDataRoots
 from .readahead import ReadAhead
 
-__all__ = ["Storage", "is_s3"]
+__all__ = ["S3_CONNECT_TIMEOUT", "S3_READ_TIMEOUT", "ShardChanged", "Storage", "is_s3"]
 
 _S3 = "s3://"
 # A shard is a container: its size is not limited, each sample read from it is.
 _CONTAINER = sys.maxsize
+# Seconds to wait for an S3 connection: a reachable endpoint answers in milliseconds, and
+# this is long enough for Linux to retry a lost SYN twice (after 1 s, then 3 s).
+S3_CONNECT_TIMEOUT = 10.0
+# Seconds an S3 response may go silent (before its headers, or between bytes of its body)
+# before the read fails: an object store's slowest healthy first byte is a second or two,
+# a throttled one answers 503 at once; botocore's default, 60 s, held a decode or I/O
+# thread a minute per attempt. Three attempts of a request that never answers stay well
+# inside --lease-timeout's 300 s.
+S3_READ_TIMEOUT = 30.0
+# Bytes read at a time over members' data while an object's index reads through it.
+_SKIP_CHUNK = 1 << 20
 _READ_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                  0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class ShardChanged(OSError):
+    """A shard that is no longer the version its index describes: replaced or rewritten
+    since it was indexed (its samples fail, category unreadable)."""
 
 
 def is_s3(name: str) -> bool:
@@ -74,9 +100,13 @@ class Storage:
 
     def __init__(self, roots: list[str], s3_endpoint: str | None = None,
                  max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, connections: int = 10,
-                 io_threads: int = 16, read_ahead_bytes: int = 256 << 20):
+                 io_threads: int = 16, read_ahead_bytes: int = 256 << 20,
+                 s3_connect_timeout: float = S3_CONNECT_TIMEOUT,
+                 s3_read_timeout: float = S3_READ_TIMEOUT):
         if not roots:
             raise ValueError("at least one data root is required")
+        if not (s3_connect_timeout > 0 and s3_read_timeout > 0):
+            raise ValueError("--s3-connect-timeout and --s3-read-timeout must be positive")
         local = [r for r in roots if not is_s3(r)]
         self.max_file_bytes = max_file_bytes
         self._local = DataRoots(local, max_file_bytes) if local else None
@@ -86,7 +116,8 @@ class Storage:
         # The I/O stage (readahead.py): only for S3, and off with a budget of 0.
         self.read_ahead: ReadAhead | None = None
         if self._s3_roots:
-            self._client = _s3_client(s3_endpoint, connections + io_threads)
+            self._client = _s3_client(s3_endpoint, connections + io_threads,
+                                      s3_connect_timeout, s3_read_timeout)
             if read_ahead_bytes > 0:
                 self.read_ahead = ReadAhead(io_threads, read_ahead_bytes)
         self._bytes = self._seconds = self._index_bytes = None
@@ -163,24 +194,40 @@ class Storage:
         self._observe(path, len(data), started)
         return data
 
-    def read_range(self, path: str, offset: int, size: int, max_bytes: int | None = None
-                   ) -> bytes:
+    def read_range(self, path: str, offset: int, size: int, max_bytes: int | None = None,
+                   version: str = "") -> bytes:
         """``size`` bytes at ``offset`` (fewer at the end of the file or object): a sample
         inside a shard, which may be larger than --max-file-bytes; the sample may not
-        (``max_bytes``: a run of samples' own limit, each checked before)."""
+        (``max_bytes``: a run of samples' own limit, each checked before). With a
+        ``version`` (the one its index was made from), ShardChanged when the shard is
+        another now."""
         if not is_s3(path):
-            fd = self.open_shard(path)
+            fd = self.open_shard(path, version)
             try:
                 return self.read_at(fd, path, offset, size, max_bytes)
             finally:
                 os.close(fd)
+        etag = version.partition(":")[2]
         return self._read_sample(path, size, max_bytes,
-                                 partial(self._get, path, f"bytes={offset}-{offset + size - 1}"))
+                                 partial(self._get, path, f"bytes={offset}-{offset + size - 1}",
+                                         etag))
 
-    def open_shard(self, path: str) -> int:
+    def open_shard(self, path: str, version: str = "") -> int:
         """A local shard's descriptor, checked as a sample file is (under a data root, a
-        regular file) but of any size, for ``read_at``."""
-        return self._local_roots(path).open_checked(path, _CONTAINER)
+        regular file) but of any size, for ``read_at``; and, given the ``version`` its
+        index was made from, that it is still that file (ShardChanged if not). The
+        descriptor keeps that file whatever is renamed over its path later."""
+        fd = self._local_roots(path).open_checked(path, _CONTAINER)
+        if version:
+            try:
+                now = os.fstat(fd)
+                if _local_version(now) != version:
+                    raise ShardChanged(f"shard changed since it was indexed: "
+                                       f"{_what_changed(version, now)}")
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
 
     def read_at(self, fd: int, path: str, offset: int, size: int, max_bytes: int | None = None
                 ) -> bytes:
@@ -231,31 +278,37 @@ class Storage:
         return self._local_roots(path).open_checked(path, max_bytes, flag)
 
     def version(self, path: str) -> str:
-        """A tag that changes when the file does (mtime and size; the ETag in S3): whether an
-        index made earlier still describes it."""
+        """What the shard is now, a tag that changes when it does (a local file's device,
+        inode, size and mtime; an object's size and ETag): whether an index made earlier
+        still describes it."""
         if is_s3(path):
             bucket, key = _split_s3(path)
             with _s3_errors(path):
                 reply = self._client.head_object(Bucket=bucket, Key=key)
-            return f"{reply.get('ETag', '')}:{reply['ContentLength']}"
+            return _s3_version(reply)
         fd = self._local_roots(path).open_checked(path, _CONTAINER)
         try:
-            stat = os.fstat(fd)
+            return _local_version(os.fstat(fd))
         finally:
             os.close(fd)
-        return f"{stat.st_mtime_ns}:{stat.st_size}"
 
-    def open_sequential(self, path: str) -> tuple[_IndexReads, int]:
-        """A stream of the whole file (seekable) or object (not), and its size, to index a
-        shard: what is read from it counts as read bytes and index bytes."""
+    def open_index(self, path: str) -> _IndexReads:
+        """The shard opened to index it (tarindex.py's ``IndexSource``): a local file read
+        where the headers are, an object in one streamed GET; its ``version`` is that of
+        what it reads. Its reads count as read bytes and index bytes."""
         if is_s3(path):
             bucket, key = _split_s3(path)
             with _s3_errors(path):
                 reply = self._client.get_object(Bucket=bucket, Key=key)
-            return _IndexReads(self, path, reply["Body"]), int(reply["ContentLength"])
-        file = os.fdopen(self._local_roots(path).open_checked(path, _CONTAINER), "rb")
-        size = os.fstat(file.fileno()).st_size
-        return _IndexReads(self, path, file, size), size
+            return _IndexReads(self, path, int(reply["ContentLength"]), _s3_version(reply),
+                               body=reply["Body"])
+        fd = self._local_roots(path).open_checked(path, _CONTAINER)
+        try:
+            stat = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _IndexReads(self, path, stat.st_size, _local_version(stat), fd=fd)
 
     def _observe_index(self, path: str, size: int) -> None:
         if self._index_bytes is not None:
@@ -263,11 +316,13 @@ class Storage:
             self._bytes.labels(source).inc(size)
             self._index_bytes.labels(source).inc(size)
 
-    def _get(self, path: str, byte_range: str = "") -> bytes:
+    def _get(self, path: str, byte_range: str = "", etag: str = "") -> bytes:
         bucket, key = _split_s3(path)
         extra = {"Range": byte_range} if byte_range else {}
+        if etag:  # the object the index describes, or 412 (ShardChanged)
+            extra["IfMatch"] = etag
         try:
-            with _s3_errors(path):
+            with _s3_errors(path, etag):
                 reply = self._client.get_object(Bucket=bucket, Key=key, **extra)
                 return reply["Body"].read()
         except _PastEnd:
@@ -280,43 +335,77 @@ class Storage:
 
 
 class _IndexReads:
-    """A shard's stream while it is indexed: its reads counted (tarfile reads, seeks and
-    tells through it; a local file seeks over the members' data).
+    """A shard while it is indexed (tarindex.py reads its headers through it): a local
+    file read where asked (``pread``), an S3 object's body read forward, what lies
+    between skipped by reading it. Nothing past ``size`` (the size it had when opened)
+    is read, whatever a header declares; every read counts in the storage metrics."""
 
-    A local file's reads stop at its size: a tar header may declare any size for the
-    long name or pax record tarfile then reads in one call, and a file object
-    allocates what it is asked for before reading (a 2**62-byte "name" was a
-    MemoryError that failed the whole request instead of the shard).
-    """
+    def __init__(self, storage: Storage, path: str, size: int, version: str,
+                 fd: int | None = None, body=None):
+        self._storage, self._path = storage, path
+        self.size, self.version = size, version
+        self._fd, self._body = fd, body
+        self.sequential = body is not None
+        self._position = 0  # the body's, read so far
 
-    def __init__(self, storage: Storage, path: str, stream: IO[bytes], size: int | None = None):
-        self._storage, self._path, self._stream = storage, path, stream
-        self._size = size  # set for a seekable stream
-
-    def read(self, size: int = -1) -> bytes:
-        if self._size is not None and size > 0:
-            size = min(size, max(self._size - self._stream.tell(), 0))
-        data = self._stream.read(size)
+    def read(self, offset: int, size: int) -> bytes:
+        size = min(size, self.size - offset)
+        if size <= 0:
+            return b""
+        if self._fd is not None:
+            data = os.pread(self._fd, size, offset)
+        else:
+            if offset < self._position:
+                raise ValueError(f"{self._path}: an S3 object's index reads forward only")
+            with _s3_errors(self._path):
+                while self._position < offset:  # over the data of members
+                    skipped = self._body.read(min(offset - self._position, _SKIP_CHUNK))
+                    if not skipped:
+                        return b""
+                    self._position += len(skipped)
+                    self._storage._observe_index(self._path, len(skipped))
+                data = self._body.read(size)
+                while data and len(data) < size:  # a short read before the end: read on
+                    more = self._body.read(size - len(data))
+                    if not more:
+                        break
+                    data += more
+            self._position += len(data)
         self._storage._observe_index(self._path, len(data))
         return data
 
-    def seekable(self) -> bool:
-        return getattr(self._stream, "seekable", lambda: False)()
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        return self._stream.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._stream.tell()
-
     def close(self) -> None:
-        self._stream.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._body is not None:
+            self._body.close()
 
     def __enter__(self) -> _IndexReads:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _local_version(stat: os.stat_result) -> str:
+    return f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _s3_version(reply: dict) -> str:
+    """An object's version from a HEAD or GET reply: size, then the ETag (``read_range``
+    takes the ETag back from after the first colon)."""
+    return f"{reply['ContentLength']}:{reply.get('ETag', '')}"
+
+
+def _what_changed(version: str, now: os.stat_result) -> str:
+    """How a local shard differs from the version its index was made from, in words."""
+    device, inode, size, mtime = (int(part) for part in version.split(":"))
+    if (now.st_dev, now.st_ino) != (device, inode):
+        return "another file was put in its place"
+    if now.st_size != size:
+        return f"it is {now.st_size} bytes, was {size}"
+    return "it was modified"
 
 
 class _ObjectBody:
@@ -335,7 +424,8 @@ class _ObjectBody:
         self._body.close()
 
 
-def _s3_client(endpoint: str | None, connections: int):
+def _s3_client(endpoint: str | None, connections: int, connect_timeout: float,
+               read_timeout: float):
     try:
         import boto3
         from botocore.config import Config
@@ -345,7 +435,11 @@ def _s3_client(endpoint: str | None, connections: int):
     # boto3 reads AWS_ENDPOINT_URL itself; looked up here too, to address buckets as paths.
     endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or \
         os.environ.get("AWS_ENDPOINT_URL")
+    # Standard retries: a request that timed out (connecting, or before its answer's
+    # headers) is tried 3 times in all; a body that stalls is not retried by botocore (a
+    # chunk's samples each read their own range again, chunks.py).
     config = Config(max_pool_connections=connections,
+                    connect_timeout=connect_timeout, read_timeout=read_timeout,
                     retries={"max_attempts": 3, "mode": "standard"},
                     # Custom endpoints (SeaweedFS, MinIO, Ceph) serve buckets as paths.
                     s3={"addressing_style": "path"} if endpoint else None)
@@ -359,8 +453,8 @@ class _PastEnd(Exception):
 class _s3_errors:
     """botocore's errors as the OSError kinds a sample failure is reported by."""
 
-    def __init__(self, path: str):
-        self._path = path
+    def __init__(self, path: str, etag: str = ""):
+        self._path, self._etag = path, etag  # the ETag a read asked If-Match for
 
     def __enter__(self):
         return self
@@ -368,7 +462,12 @@ class _s3_errors:
     def __exit__(self, kind, error, traceback):
         if error is None:
             return False
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectTimeoutError,
+            ReadTimeoutError,
+        )
 
         if isinstance(error, ClientError):
             code = str(error.response.get("Error", {}).get("Code", ""))
@@ -378,7 +477,14 @@ class _s3_errors:
                 raise PermissionError(errno.EACCES, f"{self._path}: access denied") from None
             if code == "InvalidRange":
                 raise _PastEnd() from None
+            if code in ("PreconditionFailed", "412"):  # only a read with If-Match asks
+                raise ShardChanged(f"shard changed since it was indexed: its ETag is no "
+                                   f"longer {self._etag}") from None
             raise OSError(errno.EIO, f"{self._path}: S3 error {code}") from None
+        if isinstance(error, (ReadTimeoutError, ConnectTimeoutError)):
+            flag = "--s3-read-timeout" if isinstance(error, ReadTimeoutError) else \
+                "--s3-connect-timeout"
+            raise TimeoutError(f"{error} (gpufeed-server {flag})") from None
         if isinstance(error, BotoCoreError):
             raise OSError(errno.EIO, f"{self._path}: {error}") from None
         return False

@@ -12,8 +12,13 @@ At most ``OPEN_SHARDS`` stay open per stream: a stream reads its shards one
 after another (the shuffle buffer spans a few at a time), so the least
 recently used one not being read is closed past that; a descriptor being read
 is closed by its last reader, never under it. ``close`` (the stream ended)
-closes the rest. The descriptor keeps the file it opened: a shard replaced
-while a stream reads it is still read as the version its index describes.
+closes the rest.
+
+A descriptor is checked once, when it is opened, to be the file the shard's
+index was made from (``Storage.open_shard`` with the index's version: device,
+inode, size, mtime); a shard replaced before then fails the read with
+``ShardChanged``. From then on the descriptor keeps that file: a shard renamed
+over while a stream reads it is still read as the version its index describes.
 """
 
 from __future__ import annotations
@@ -44,13 +49,15 @@ class ShardFiles:
         self._lock = threading.Lock()
         self._open: OrderedDict[int, _Open] = OrderedDict()
 
-    def read(self, storage: Storage, shard: int, path: str, offset: int, size: int) -> bytes:
+    def read(self, storage: Storage, shard: int, path: str, offset: int, size: int,
+             version: str = "") -> bytes:
         """``size`` bytes at ``offset`` of the shard (fewer at its end), its descriptor opened
-        (checked) on first use; errors as ``Storage.read_range``'s."""
+        on first use and checked to be ``version`` (the index's); errors as
+        ``Storage.read_range``'s."""
         with self._lock:
             entry = self._open.get(shard)
             if entry is None:
-                entry = self._open[shard] = _Open(storage.open_shard(path))
+                entry = self._open[shard] = _Open(storage.open_shard(path, version))
             else:
                 self._open.move_to_end(shard)
             entry.readers += 1

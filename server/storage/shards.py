@@ -10,12 +10,32 @@ or ``.txt`` member holding an integer is its label (a stream has labels when
 its first sample has one; a later sample without one fails).
 
 Each shard's members are indexed once, at plan time, from the tar headers
-(offsets and sizes; a local shard is read header by header, an S3 object in one
+(offsets and sizes, read by tarindex.py's own parser, which trusts no number a
+header gives; a local shard is read where its headers are, an S3 object in one
 sequential GET) and the index is kept, keyed by the shard's version, for later
 requests. A sample is then (shard, offset, size): rows still decode in
 parallel on the decode pool, each reading just its own members, never
 extracting anything to disk. ``index`` is a sample's position among all
 samples of the listed shards, in list order.
+
+Indexing is bounded as it goes, not after: ``ShardSet.index`` counts samples as
+the headers are read and stops once they pass the request's ``--max-samples``
+(TooManySamples), and stops when the request is cancelled (IndexCancelled),
+checked between shards and every few thousand headers. A shard whose headers
+break the format (a negative or oversized size, a bad checksum, a record larger
+than the shard) fails alone: "not a tar shard" if nothing came before, else
+the samples before are kept as of a truncated shard, but for the last one, whose
+members may go on past where the index stopped: it fails, "truncated shard"
+saying why the index stopped there.
+
+A sample is read from the version its index describes, or fails. The index
+records the version it read (roots.py: a local file's device, inode, size and
+mtime; an object's ETag); a local shard's descriptor is checked against it when
+the stream opens it, and an S3 range asks ``If-Match`` that ETag. A shard
+replaced since it was indexed fails its remaining samples in the stream
+("shard changed since it was indexed", category unreadable, counted as any
+failure), and its index is dropped from the cache, so that the next request
+indexes the new version.
 
 What a sample reads is the bytes from its first used member (image, label,
 declared fields) to the end of its last: a sample's members are adjacent in the
@@ -50,18 +70,20 @@ of its own; one over ``--max-file-bytes`` fails, as a loose file would.
 
 The one read of a whole shard is its index. Tar headers sit between the
 members, so finding them costs either the whole object in one streamed GET (S3)
-or a round trip per member; the former is chosen. A local shard is indexed
-header by header, seeking over the data. It happens once per shard version per
-server process (the cache above), for every listed shard, other ranks' too: the
-padding rule and ``index`` need every shard's sample count. The metrics count
-it apart (``gpufeed_storage_index_bytes``), beside the samples' reads.
+or a round trip per member; the former is chosen. A local shard is read in
+windows where its headers are (wide ones over small members, narrow ones
+between large members). It happens once per shard version per server process
+(the cache above; an index that a read error cut short is not kept), for every
+listed shard, other ranks' too: the padding rule and ``index`` need every
+shard's sample count. The metrics count it apart
+(``gpufeed_storage_index_bytes``), beside the samples' reads.
 
 The order of a pass (shards dealt to ranks whole, a shuffle buffer within a
 rank's stream, padding to the longest rank) is serving/order.py's ``tar_order``,
 over ``ShardSet.first``. The plan holds 8 bytes of order, about 40 bytes of
 index per sample (16 more per member extension beyond image and label, which a
-request's fields may name) and a byte for which samples the stream reads
-(chunks.py), plus each shard's path.
+request's fields may name; a shard's first 32 such extensions are indexed) and
+a byte for which samples the stream reads (chunks.py), plus each shard's path.
 
 Resume is exact at any batch (the position the client sends), since the order
 is computed whole at plan time. A shard whose data ends early (truncated)
@@ -73,14 +95,11 @@ the stream's failure budget as any bad file does; the pass goes on.
 
 from __future__ import annotations
 
-import itertools
-import posixpath
 import re
 import sys
-import tarfile
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -93,16 +112,23 @@ from ..media.decode import DecodeError
 from ..media.fields import SampleFields
 from ..media.output import OutputTransform
 from ..media.samples import Decoders, RowReader, timed_read
-from .chunks import ChunkReads
+from .chunks import ChunkReads, Span
 from .paths import OutsideDataRoots, SamplePaths
-from .roots import Storage, is_s3
+from .roots import ShardChanged, Storage, is_s3
 from .shardfiles import ShardFiles
+from .tarindex import BadTar, IndexSource, Member, tar_members
 
-__all__ = ["TAKEN_SUFFIXES", "ShardIndex", "ShardRows", "ShardSet",
-           "TooManyShards", "expand_braces", "names_shards"]
+__all__ = ["TAKEN_SUFFIXES", "IndexCancelled", "ShardIndex", "ShardRows", "ShardSet",
+           "TooManySamples", "TooManyShards", "expand_braces", "names_shards"]
 
 _IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
 _LABEL_SUFFIXES = ("cls", "txt")
+_IMAGES, _LABELS = frozenset(_IMAGE_SUFFIXES), frozenset(_LABEL_SUFFIXES)
+# Member extensions beyond image and label one shard's index keeps (each 16 bytes per
+# sample of every sample): samples carry a handful; a shard of thousands of distinct
+# extensions would make its index quadratic. Past the bound an extension is not
+# indexed, and a field naming it fails its samples as a missing member does.
+_MAX_EXTENSIONS = 32
 # Member extensions that are a sample's image or label, so cannot name a field's member.
 TAKEN_SUFFIXES = _IMAGE_SUFFIXES + _LABEL_SUFFIXES
 _LABEL_MAX_BYTES = 64
@@ -114,11 +140,24 @@ _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 _NONE = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # an extension no sample has
 # Why a sample fails before any read (kept per sample as a small code).
-_OK, _TRUNCATED, _NO_IMAGE, _UNREADABLE = 0, 1, 2, 3
+# _CUT: the last sample of an index that stopped early (its members may go on).
+_OK, _TRUNCATED, _NO_IMAGE, _CUT = 0, 1, 2, 3
 
 
 class TooManyShards(ValueError):
     """Brace patterns naming more shards than a request may."""
+
+
+class TooManySamples(Exception):
+    """The listed shards hold more samples than a request may (found while indexing)."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the shards hold more than {limit} samples")
+        self.limit = limit
+
+
+class IndexCancelled(Exception):
+    """Indexing stopped because its caller no longer wants it (``cancelled()`` said so)."""
 
 
 def expand_braces(name: str, limit: int = sys.maxsize) -> list[str]:
@@ -185,60 +224,101 @@ class ShardIndex:
     image_size: np.ndarray
     label_offset: np.ndarray  # -1: no label member
     label_size: np.ndarray
-    failure: np.ndarray  # per sample: _OK, _TRUNCATED, _NO_IMAGE
+    failure: np.ndarray  # per sample: _OK, _TRUNCATED, _NO_IMAGE, _CUT
     others: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     # What a sample of a shard with a problem fails with (its failure's category).
     problem_error: type[Exception] = DecodeError
+    # The shard's version the index was made from (roots.py's Storage.version); "" with
+    # a problem.
+    version: str = ""
+    # Why the index stopped before the shard's end ("" when it read to the end).
+    ended: str = ""
 
     @property
     def samples(self) -> int:
         return len(self.failure) if not self.problem else 1
 
 
-def _index_members(members: list[tarfile.TarInfo], size: int, truncated: bool) -> ShardIndex:
-    """Group members by key, in order; mark samples whose members end past ``size``."""
-    image_offset, image_size, label_offset, label_size, failure = [], [], [], [], []
-    others: dict[str, tuple[list[int], list[int]]] = {}
-    for n, (_, group) in enumerate(itertools.groupby((m for m in members if m.isfile()),
-                                                     key=_key)):
-        image = label = None
-        for member in group:
-            suffix = _suffix(member.name)
-            if image is None and suffix in _IMAGE_SUFFIXES:
-                image = member
-            elif label is None and suffix in _LABEL_SUFFIXES:
-                label = member
-            elif suffix not in _IMAGE_SUFFIXES and suffix not in _LABEL_SUFFIXES:
-                offsets, sizes = others.setdefault(suffix, ([-1] * n, [0] * n))
-                if len(offsets) == n:  # the sample's first member of that extension
-                    offsets.append(member.offset_data)
-                    sizes.append(member.size)
-        for offsets, sizes in others.values():  # extensions this sample lacks
-            if len(offsets) == n:
-                offsets.append(-1)
-                sizes.append(0)
-        used = [m for m in (image, label) if m is not None]
-        ends_past = any(m.offset_data + m.size > size for m in used)
-        image_offset.append(image.offset_data if image else 0)
-        image_size.append(image.size if image else 0)
-        label_offset.append(label.offset_data if label else -1)
-        label_size.append(label.size if label else 0)
-        failure.append(_TRUNCATED if ends_past or (truncated and image is None)
-                       else _NO_IMAGE if image is None else _OK)
-    return ShardIndex("", np.asarray(image_offset, np.int64), np.asarray(image_size, np.int64),
-                      np.asarray(label_offset, np.int64), np.asarray(label_size, np.int64),
-                      np.asarray(failure, np.int8),
-                      {suffix: (np.asarray(offsets, np.int64), np.asarray(sizes, np.int64))
-                       for suffix, (offsets, sizes) in others.items()})
+class _Samples:
+    """A shard's members grouped into samples as the index reads them: consecutive members
+    sharing a key, each sample's first image and label member, and the first member of
+    each other extension (``others``, kept sparse until ``index``)."""
 
+    def __init__(self):
+        self.members = 0
+        self._image_offset: list[int] = []  # -1: the sample has no image member
+        self._image_size: list[int] = []
+        self._label_offset: list[int] = []  # -1: no label member
+        self._label_size: list[int] = []
+        self._others: dict[str, tuple[list[int], list[int], list[int]]] = {}  # samples, ...
+        self._key: str | None = None  # the open sample's
+        self._seen: set[str] = set()  # its other extensions
 
-def _key(member: tarfile.TarInfo) -> str:
-    folder, name = posixpath.split(member.name)
-    return posixpath.join(folder, name.split(".", 1)[0])
+    @property
+    def samples(self) -> int:
+        """Samples found so far (the last one may have more members to come)."""
+        return len(self._image_offset)
 
+    def add(self, members: list[Member]) -> None:
+        images, labels, others, seen = _IMAGES, _LABELS, self._others, self._seen
+        for name, offset, size in members:
+            folder = name.rfind("/") + 1
+            dot = name.find(".", folder)
+            key, suffix = (name, "") if dot < 0 else (name[:dot], name[dot + 1:].lower())
+            if key != self._key:  # a sample's members are consecutive: the next one
+                self._open(key)
+            n = len(self._image_offset) - 1  # the sample being read
+            if suffix in images:
+                if self._image_offset[n] < 0:
+                    self._image_offset[n], self._image_size[n] = offset, size
+            elif suffix in labels:
+                if self._label_offset[n] < 0:
+                    self._label_offset[n], self._label_size[n] = offset, size
+            elif suffix not in seen:
+                seen.add(suffix)
+                entry = others.get(suffix)
+                if entry is None:
+                    if len(others) >= _MAX_EXTENSIONS:
+                        continue
+                    entry = others[suffix] = ([], [], [])
+                entry[0].append(n)
+                entry[1].append(offset)
+                entry[2].append(size)
+        self.members += len(members)
 
-def _suffix(name: str) -> str:
-    return posixpath.basename(name).split(".", 1)[-1].lower() if "." in name else ""
+    def _open(self, key: str) -> None:
+        self._key = key
+        self._seen.clear()
+        self._image_offset.append(-1)
+        self._image_size.append(0)
+        self._label_offset.append(-1)
+        self._label_size.append(0)
+
+    def index(self, size: int, ended: str, version: str) -> ShardIndex:
+        """The shard's index, its samples' members ending past ``size`` marked truncated;
+        when the headers ended early (``ended`` says why), those without an image too,
+        and the last sample cut."""
+        truncated = bool(ended)
+        image_offset = np.asarray(self._image_offset, np.int64)
+        image_size = np.asarray(self._image_size, np.int64)
+        label_offset = np.asarray(self._label_offset, np.int64)
+        label_size = np.asarray(self._label_size, np.int64)
+        has_image = image_offset >= 0
+        ends_past = (has_image & (image_offset + image_size > size)) | \
+            ((label_offset >= 0) & (label_offset + label_size > size))
+        failure = np.where(ends_past | (truncated & ~has_image), _TRUNCATED,
+                           np.where(has_image, _OK, _NO_IMAGE)).astype(np.int8)
+        if truncated and len(failure) and failure[-1] != _TRUNCATED:
+            failure[-1] = _CUT
+        image_offset[~has_image] = 0
+        count = len(failure)
+        others = {}
+        for suffix, (samples, offsets, sizes) in self._others.items():
+            at, sized = np.full(count, -1, np.int64), np.zeros(count, np.int64)
+            at[samples], sized[samples] = offsets, sizes
+            others[suffix] = (at, sized)
+        return ShardIndex("", image_offset, image_size, label_offset, label_size, failure,
+                          others, version=version, ended=ended)
 
 
 def _unreadable(why: str, error: type[Exception] = DecodeError) -> ShardIndex:
@@ -272,41 +352,98 @@ class _IndexCache:
             while len(self._indexes) > self._bound:
                 self._indexes.popitem(last=False)
 
+    def forget(self, key: tuple[str, str]) -> None:
+        """A shard found changed: its index is not to be used again, whatever its version
+        tag says next (an edit within the mtime's granularity leaves it alike)."""
+        with self._lock:
+            self._indexes.pop(key, None)
+
 
 _CACHE = _IndexCache()
 
 
-def index_shard(storage, path: str) -> ShardIndex:
-    """The shard's index: from the cache when the shard has not changed, else from its headers."""
+def _never() -> bool:
+    return False
+
+
+class _IndexWork:
+    """What indexing a request's shards may still do: the samples left under its limit, and
+    whether to go on (its caller's ``cancelled()``, or another shard's thread stopped)."""
+
+    def __init__(self, max_samples: int = sys.maxsize, cancelled: Callable[[], bool] = _never):
+        self._lock = threading.Lock()
+        self._limit = max_samples
+        self._left = max_samples
+        self._cancelled = cancelled
+        self._stopped = False
+
+    def check(self) -> None:
+        """Raise what stops indexing: TooManySamples, IndexCancelled."""
+        if self._left < 0:
+            raise TooManySamples(self._limit)
+        if self._stopped or self._cancelled():
+            raise IndexCancelled("indexing the shards was cancelled")
+
+    def charge(self, samples: int) -> None:
+        """Count ``samples`` more found (fewer, if negative), then check."""
+        with self._lock:
+            self._left -= samples
+        self.check()
+
+    def stop(self) -> None:
+        self._stopped = True
+
+
+def index_shard(storage, path: str, work: _IndexWork | None = None) -> ShardIndex:
+    """The shard's index: from the cache when the shard has not changed, else from its
+    headers; its samples counted in ``work`` (which may stop it)."""
+    work = work or _IndexWork()
+    work.check()
     try:
         version = storage.version(path)
-        cached = _CACHE.get((path, version))
-        if cached is not None:
-            return cached
-        file, size = storage.open_sequential(path)
+        index = _CACHE.get((path, version))
+        if index is None:
+            with storage.open_index(path) as source:
+                index, charged, lasting = _read_index(source, work)
+            if lasting:
+                _CACHE.put((path, index.version), index)
+            work.charge(index.samples - charged)
+            return index
     except FileNotFoundError:
-        return _NOT_FOUND
+        index = _NOT_FOUND
     except OSError as e:
-        return _unreadable(f"shard unreadable: {e}", OSError)
-    with file:
-        members, truncated = [], False
-        seekable = getattr(file, "seekable", lambda: False)()
-        try:
-            # Locally: header after header, seeking over the data. S3: one sequential read.
-            with tarfile.open(fileobj=file, mode="r:" if seekable else "r|") as tar:
-                while (member := tar.next()) is not None:
-                    members.append(member)
-        except tarfile.ReadError as e:
-            if not members:
-                return _unreadable(f"not a tar shard: {e}")
-            truncated = True
-        except (OSError, EOFError) as e:
-            if not members:
-                return _unreadable(f"shard unreadable: {e}", OSError)
-            truncated = True
-    index = _index_members(members, size, truncated)
-    _CACHE.put((path, version), index)
+        index = _unreadable(f"shard unreadable: {e}", _read_error(e))
+    work.charge(index.samples)
     return index
+
+
+def _read_index(source: IndexSource, work: _IndexWork) -> tuple[ShardIndex, int, bool]:
+    """The index of an opened shard, how many of its samples ``work`` was charged while
+    its headers were read, and whether it lasts as long as the shard's version (not when a
+    read failed, which another try may not: it is not kept)."""
+    samples = _Samples()
+    charged = 0
+    ended = ""
+    try:
+        for members in tar_members(source):
+            samples.add(members)
+            work.charge(samples.samples - charged)
+            charged = samples.samples
+    except BadTar as e:
+        if not samples.members:
+            return _unreadable(f"not a tar shard: {e}"), charged, False
+        ended = str(e)
+    except OSError as e:
+        if not samples.members:
+            return _unreadable(f"shard unreadable: {e}", _read_error(e)), charged, False
+        return samples.index(source.size, f"read error: {e}", source.version), charged, False
+    return samples.index(source.size, ended, source.version), charged, True
+
+
+def _read_error(error: OSError) -> type[Exception]:
+    """What a shard's samples fail with when reading it failed: a timeout's category is
+    its own (``timeout``), any other error's ``unreadable``."""
+    return TimeoutError if isinstance(error, TimeoutError) else OSError
 
 
 class ShardSet:
@@ -322,13 +459,28 @@ class ShardSet:
         self.has_labels = _first_has_label(indexes)
 
     @classmethod
-    def index(cls, storage, paths: list[str]) -> ShardSet:
-        """Index every shard (in parallel: S3 reads wait on the network)."""
+    def index(cls, storage, paths: list[str], max_samples: int = sys.maxsize,
+              cancelled: Callable[[], bool] = _never) -> ShardSet:
+        """Index every shard (in parallel: S3 reads wait on the network).
+
+        Samples are counted as they are found: TooManySamples once the shards hold
+        more than ``max_samples``, IndexCancelled once ``cancelled()`` is true (both
+        checked between shards and every few thousand headers of one); each thread
+        stops at its next check.
+        """
+        work = _IndexWork(max_samples, cancelled)
         indexes: list[ShardIndex] = []
-        with ThreadPoolExecutor(min(_INDEX_THREADS, len(paths))) as pool:
+        with ThreadPoolExecutor(max(1, min(_INDEX_THREADS, len(paths)))) as pool:
             for start in range(0, len(paths), _INDEX_BATCH):  # not a future per shard at once
-                indexes += pool.map(lambda p: index_shard(storage, p),
-                                    paths[start:start + _INDEX_BATCH])
+                futures = [pool.submit(index_shard, storage, path, work)
+                           for path in paths[start:start + _INDEX_BATCH]]
+                try:
+                    indexes += [future.result() for future in futures]
+                except BaseException:
+                    work.stop()
+                    for future in futures:
+                        future.cancel()
+                    raise
         return cls(paths, indexes)
 
     @property
@@ -382,6 +534,9 @@ class ShardRows(RowReader):
 
     A field (media/fields.py) is the member whose extension is its suffix without
     the dot (``.seg.png`` -> ``000123.seg.png``); a sample without it fails.
+
+    Every read names the shard's version its index describes; a shard found changed
+    fails each of its samples read after that without another read.
     """
 
     def __init__(self, transform: OutputTransform, shards: ShardSet,
@@ -396,6 +551,8 @@ class ShardRows(RowReader):
         # S3 samples' reads issued ahead, in chunks of whole samples (chunks.py)
         self._chunks = ChunkReads(shards.num_samples, self._span, shards.shard_end)
         self._files = ShardFiles()  # local shards, open while the stream reads them
+        self._versions = [index.version for index in shards.indexes]
+        self._changed: dict[int, str] = {}  # shard -> how it changed since it was indexed
 
     def will_read(self, samples: np.ndarray) -> None:
         """The samples the stream reads (positions of its batches, padded ones included):
@@ -417,13 +574,16 @@ class ShardRows(RowReader):
         self._chunks.forget(storage)
         self._files.close()
 
-    def _span(self, sample: int) -> tuple[str, int, int] | None:
-        """(shard, offset, size) of the bytes holding a sample's members; None if it fails."""
+    def _span(self, sample: int) -> Span | None:
+        """(shard, offset, size, version) of the bytes holding a sample's members; None if
+        it fails without a read."""
         try:
-            _, path, _, start, end = self._members(sample)
+            shard, path, _, start, end = self._members(sample)
         except (DecodeError, OSError):  # what a shard's problem or a sample's fails with
             return None
-        return path, start, end - start
+        if shard in self._changed:
+            return None
+        return path, start, end - start, self._versions[shard]
 
     def _members(self, sample: int) -> tuple[int, str, list[tuple[int, int]], int, int]:
         """(shard number, path, [(offset, size)] of the image, label and fields' members, in
@@ -437,6 +597,9 @@ class ShardRows(RowReader):
         failure = shard_index.failure[n]
         if failure == _TRUNCATED:
             raise DecodeError(f"truncated shard (sample {n} runs past its end)")
+        if failure == _CUT:
+            raise DecodeError(f"truncated shard (its index stops at sample {n}: "
+                              f"{shard_index.ended})")
         if failure == _NO_IMAGE:
             raise DecodeError(f"sample {n} has no image member")
         image = int(shard_index.image_offset[n])
@@ -460,13 +623,21 @@ class ShardRows(RowReader):
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
         crop, flip = self.transform.choose(index)
         shard, path, members, start, end = self._members(index)
+        version = self._versions[shard]
         if self._s3[shard]:
-            data, read = timed_read(stages, partial(
-                self._chunks.take, storage, index,
-                partial(storage.read_range, path, start, end - start)))
+            reader = partial(self._chunks.take, storage, index,
+                             partial(self._unchanged, shard, storage.read_range, path, start,
+                                     end - start, None, version))
         else:  # one pread on the stream's open descriptor of the shard
-            data, read = timed_read(stages, partial(self._files.read, storage, shard, path,
-                                                    start, end - start))
+            reader = partial(self._unchanged, shard, self._files.read, storage, shard, path,
+                             start, end - start, version)
+        try:
+            data, read = timed_read(stages, reader)
+        except ShardChanged as e:
+            if shard not in self._changed:  # its samples fail from now on, unread
+                self._changed[shard] = str(e)
+                _CACHE.forget((path, version))
+            raise
         if len(data) < end - start:
             n = index - int(self.shards.first[shard])
             raise DecodeError(f"truncated shard (sample {n} runs past its end)")
@@ -488,6 +659,14 @@ class ShardRows(RowReader):
             stages["decode"].observe(perf_counter() - read)
 
 
+    def _unchanged(self, shard: int, read: Callable[..., bytes], *args) -> bytes:
+        """``read(*args)``, unless the shard was found changed: ShardChanged again, unread."""
+        changed = self._changed.get(shard)
+        if changed is not None:
+            raise ShardChanged(changed)
+        return read(*args)
+
+
 def _label(n: int, text: bytes) -> int:
     if len(text) > _LABEL_MAX_BYTES:
         raise DecodeError(f"sample {n}'s label member is {len(text)} bytes, not an int")
@@ -507,6 +686,8 @@ def locate_shards(names: list[str], prefix: str, storage, limit: int = sys.maxsi
             expanded = expand_braces(prefix + name, limit - len(paths))
         except ValueError as e:  # TooManyShards too, kept as such
             raise type(e)(f"samples[{i}]: {e}") from None
+        if len(paths) + len(expanded) > limit:  # a name without braces, past the limit
+            raise TooManyShards(f"samples[{i}]: the request names more than {limit} shards")
         for shard in expanded:
             try:
                 paths.append(storage.locate(shard))
