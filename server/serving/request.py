@@ -49,8 +49,10 @@ from ..storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots, Sample
 from ..storage.roots import Storage, is_s3
 from ..storage.shards import (
     TAKEN_SUFFIXES,
+    IndexCancelled,
     ShardRows,
     ShardSet,
+    TooManySamples,
     TooManyShards,
     locate_shards,
     names_shards,
@@ -59,6 +61,7 @@ from .errors import Forbidden, InvalidRequest, LimitExceeded, NotFound, Unsuppor
 from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_labels, list_directory
 from .names import SampleNames, TooManyNames
 from .order import Batches, shard_order, split_batches, tar_order
+from .planning import PlanStopped
 from .wire import COMPRESSORS
 
 __all__ = ["Limits", "StreamPlan", "plan_stream"]
@@ -87,6 +90,11 @@ class Limits:
     max_prefetch: int = 16
     max_batch_bytes: int = 1 << 30
     max_samples: int = 10_000_000
+    # Tar shards one request may name, refused before any is indexed (each costs a
+    # HEAD or an open even when missing, and its index). --max-samples' 10M samples fill
+    # 100,000 shards of 100 samples, where WebDataset shards hold thousands each; a
+    # request naming more is a mistake or an attack, not a data set.
+    max_shards: int = 100_000
     # A list file larger than this is refused before it is read (~12M lines of 40 bytes).
     max_list_bytes: int = 512 << 20
     # Every open stream's ring and plan together (service.py, budget.py).
@@ -134,8 +142,11 @@ class StreamPlan:
 
 
 def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
-                transports: tuple[int, ...]) -> StreamPlan:
-    """``req`` checked into a plan, or the refusal (errors.py) naming the field at fault.
+                transports: tuple[int, ...], stopped: Callable[[], bool] = lambda: False
+                ) -> StreamPlan:
+    """``req`` checked into a plan, or the refusal (errors.py) naming the field at fault;
+    ``PlanStopped`` once ``stopped()`` (the call ended: planning.py) while tar shards
+    are indexed.
 
     In order: the sample names (files, list file, directories; bounded by the
     limits before they are built); tar shards, indexed, or loose files, located
@@ -148,7 +159,7 @@ def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
     names, listed_labels, prefix = _sample_names(req, storage, limits)
     if not names:
         raise InvalidRequest("samples: the list is empty")
-    shards = _tar_shards(req, names, prefix, storage, limits)  # tar shards (shards.py), or None
+    shards = _tar_shards(req, names, prefix, storage, limits, stopped)  # shards.py, or None
     if shards:
         paths, labels, classes, kind = None, None, [], IMAGE
     else:
@@ -540,20 +551,25 @@ def _split_labels(lines: Iterable[str], labels: array) -> Iterator[str]:
 
 
 def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
-                storage: Storage, limits: Limits) -> ShardSet | None:
+                storage: Storage, limits: Limits, stopped: Callable[[], bool]
+                ) -> ShardSet | None:
     """The named tar shards, indexed (shards.py); None when the names are loose files."""
     try:
         # types: SampleNames is a sequence of str, not a list
         if not names_shards(names):  # pyright: ignore[reportArgumentType]
             return None
         # A shard holds at least one sample (an unreadable one counts as one failed
-        # sample): names over --max-samples are refused before they are made.
+        # sample): names over --max-samples, or --max-shards, are refused before they
+        # are made, and so before any is indexed.
         # types: as above
         paths = locate_shards(names, prefix, storage,  # pyright: ignore[reportArgumentType]
-                              limits.max_samples)
+                              min(limits.max_samples, limits.max_shards))
     except OutsideDataRoots as e:
         raise Forbidden(f"samples: {e}") from None
     except TooManyShards as e:
+        if limits.max_shards < limits.max_samples:
+            raise LimitExceeded(f"{e}, over the server's --max-shards {limits.max_shards}"
+                                ) from None
         raise LimitExceeded(f"{e}, over the server's --max-samples {limits.max_samples} (each "
                             f"shard counts as one sample at least)") from None
     except ValueError as e:
@@ -561,10 +577,13 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
     if req.labels or req.label_source != feed_pb2.LABELS_FROM_REQUEST:
         raise InvalidRequest("labels: tar shards carry their labels (.cls or .txt members); "
                              "give neither labels nor label_source")
-    shards = ShardSet.index(storage, paths)
-    if shards.num_samples > limits.max_samples:
-        raise LimitExceeded(f"samples: the shards hold {shards.num_samples} samples, over the "
-                            f"server's --max-samples {limits.max_samples}")
+    try:  # counted as the headers are read: indexing stops past the limit
+        shards = ShardSet.index(storage, paths, limits.max_samples, stopped)
+    except IndexCancelled:
+        raise PlanStopped("the call ended while its tar shards were indexed") from None
+    except TooManySamples as e:
+        raise LimitExceeded(f"samples: {e}, over the server's --max-samples "
+                            f"{limits.max_samples}") from None
     if len(shards.unreadable()) == len(paths):
         path, why = shards.unreadable()[0]
         raise NotFound(f"samples: no tar shard could be read (first: {path!r}: {why})")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 
 import grpc
 
@@ -36,6 +37,7 @@ from ..metrics import ServerMetrics
 from ..storage.roots import Storage
 from .errors import (
     BadClientMessage,
+    ClientGone,
     Draining,
     FailureBudgetSpent,
     Forbidden,
@@ -49,6 +51,7 @@ from .errors import (
     UnpaddableBatch,
     Unsupported,
 )
+from .planning import Planning, PlanStopped
 from .pool import DecodePool
 from .request import Limits, StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
@@ -120,7 +123,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         self._limits = limits
         self._max_streams = max_streams
         self._streams: set[Stream] = set()
+        self._plannings: set[Planning[StreamPlan]] = set()  # requests being planned
         self._open_streams = 0  # counted from admission, before their Stream exists
+        self._planned_on = 0  # planning threads still running after their call ended
         self._draining = False
         self._jobs = JobRegistry()
         self._memory = MemoryBudget(limits.max_memory_bytes)  # every stream's ring and plan
@@ -146,17 +151,25 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         if refusal is not None:
             self._refuse(context, *refusal)
         reserved = 0
+        planning = Planning(partial(plan_stream, first.open, self._storage, self._limits,
+                                    self.transports))
         try:
+            with self._lock:
+                self._plannings.add(planning)
+            if not context.add_callback(planning.stop):  # the call has ended already
+                planning.stop()
             try:
-                plan = plan_stream(first.open, self._storage, self._limits, self.transports)
+                plan = self._planned(planning)
                 reserved = self._memory.reserve(
                     plan.num_slots * plan.layout.slot_bytes + plan.nbytes,
                     f"this stream ({plan.num_slots} slots of {plan.layout.slot_bytes} bytes, "
                     f"and {plan.nbytes} for its sample list)")
                 job = self._jobs.join(first.open, plan) if first.open.job else None
                 memory = self._memories.open(plan)
-            except (Refused, MemoryExhausted) as e:
+            except (Refused, MemoryExhausted, Draining) as e:
                 refusal = _status(e) or grpc.StatusCode.INTERNAL, str(e)  # INTERNAL: not mapped
+            except ClientGone:
+                return
             else:
                 refusal = None
             if refusal is not None:  # refused outside `except`: see _serve
@@ -167,8 +180,25 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         finally:
             self._memory.give_back(reserved)
             with self._lock:
+                self._plannings.discard(planning)
                 self._open_streams -= 1
+                self._planned_on += 1  # until its planning thread has ended (planning.py)
                 self._lock.notify_all()
+            planning.when_finished(self._planning_ended)
+
+    def _planned(self, planning: Planning[StreamPlan]) -> StreamPlan:
+        """The stream's plan; Draining when the server began to drain meanwhile, and
+        ClientGone when the call ended first (nobody is left to tell)."""
+        try:
+            return planning.wait()
+        except PlanStopped:
+            if self._draining:
+                raise Draining("the server is shutting down") from None
+            raise ClientGone("the client left while its stream was planned") from None
+
+    def _planning_ended(self) -> None:
+        with self._lock:
+            self._planned_on -= 1
 
     def _refuse(self, context, code: grpc.StatusCode, message: str) -> None:
         """Log, count and end a stream that is not served (raises, as context.abort does)."""
@@ -182,6 +212,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         with self._lock:
             self._draining = True
             if not self._lock.wait_for(lambda: self._open_streams == 0, timeout=grace):
+                for planning in self._plannings:
+                    planning.stop()
                 for stream in self._streams:
                     stream.cancel(Draining("the server is shutting down; resume from your "
                                            "position"))
@@ -192,7 +224,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         with self._lock:
             if self._draining:
                 return grpc.StatusCode.UNAVAILABLE, "the server is shutting down"
-            if self._open_streams >= self._max_streams:
+            # A planning thread whose call has ended still counts: calls opened and
+            # cancelled in a loop must not pile them up beyond the limit.
+            if self._open_streams + self._planned_on >= self._max_streams:
                 return (grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"the server already serves {self._max_streams} streams "
                         f"(--max-streams {self._max_streams}); retry later")
