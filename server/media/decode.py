@@ -17,6 +17,23 @@ of the source becomes the output, and only that window is resized.
   without the extension, swscale scales the whole image so that the box comes
   out at H x W and the window is copied out.
 
+At the image's own size (a squash to it, a crop box of the output's size, a
+video frame) swscale does not scale: 8-bit 4:2:0 and 4:2:2 YUV (lossy WebP,
+video, JPEGs on the PyAV path) goes through its YUV->RGB converter, but only
+when the height is even. On an odd height its general scaler runs instead, which
+spreads 4:2:0 chroma rows over the whole height (rows near the bottom take the
+next row's colour) and is several times slower. And the converter's x86-64
+planar RGB output (FFmpeg's ``yuv420_gbrp_ssse3``) rounds a row up to 8 pixels,
+drops those 8 again under a bound meant for 3-byte pixels (a planar row has 1),
+then writes 16 at a time: when ``width % 16`` is 1 to 8, that many right-most
+columns are never written, and whatever the buffer held arrives (different each
+run, nothing logged). So such a frame is first copied into one whose width is a
+multiple of 16 and whose height is even, its last column and row repeated (~1.5
+bytes a pixel), converted whole, and its top-left window copied out
+(``_padded``); packed RGB, written whole by the same converter, needs only the
+even height. Scaled conversions go through the general scaler and are right at
+any size.
+
 Both paths write into the ``[3, H, W]`` row the caller hands in (no per-image
 tensor, no collate copy) and release the GIL while they decode and scale, which
 is why threads give parallelism here.
@@ -63,6 +80,11 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 _GBRP_TO_RGB_ROW = (1, 2, 0)
 _GBRP = av.VideoFormat("gbrp")
 _SCALER = Interpolation.BILINEAR
+# The formats swscale converts to RGB at their own size with its YUV->RGB converter (when
+# the height is even), and the blocks of pixels its x86 planar output writes whole (see
+# the module docstring).
+_CONVERTED_YUV = frozenset({"yuv420p", "yuvj420p", "yuva420p", "yuv422p", "yuvj422p"})
+_BLOCK = 16
 
 
 class DecodeError(Exception):
@@ -92,6 +114,12 @@ class RgbScaler:
         self._scaler = VideoReformatter()
 
     def scale(self, frame: av.VideoFrame, width: int, height: int) -> av.VideoFrame:
+        """``frame`` as planar RGB (gbrp) at ``width`` x ``height``. At the frame's own size
+        the result may be wider and taller (see the module docstring): its top-left
+        ``height`` x ``width`` is the frame, and ``copy`` takes only that."""
+        if (width, height) == (frame.width, frame.height):
+            frame = _padded(frame, _BLOCK)
+            width, height = frame.width, frame.height
         # PyAV's stub says format is a str; a VideoFormat, made once, saves a lookup.
         return self._scaler.reformat(frame, width, height, _GBRP,  # pyright: ignore[reportArgumentType]
                                      interpolation=_SCALER,
@@ -99,12 +127,14 @@ class RgbScaler:
 
     def packed(self, frame: av.VideoFrame) -> np.ndarray:
         """``frame`` as packed RGB at its own size: a uint8 [h, w, 3] view (rows padded)."""
-        rgb = self._scaler.reformat(frame, format="rgb24", interpolation=_SCALER, threads=1)
+        # The packed converter writes every column; only an odd height needs a row more.
+        rgb = self._scaler.reformat(_padded(frame, 1), format="rgb24", interpolation=_SCALER,
+                                    threads=1)
         plane = rgb.planes[0]
         # A plane has the buffer protocol; PyAV's stub does not say so (also below).
         rows = np.frombuffer(plane, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
             rgb.height, plane.line_size)
-        return rows[:, :rgb.width * 3].reshape(rgb.height, rgb.width, 3)
+        return rows[:frame.height, :frame.width * 3].reshape(frame.height, frame.width, 3)
 
     @staticmethod
     def copy(rgb: av.VideoFrame, out: np.ndarray, top: int = 0, left: int = 0,
@@ -117,6 +147,27 @@ class RgbScaler:
                 rgb.height, plane.line_size)
             window = pixels[top:top + height, left:left + width]
             out[row] = window[:, ::-1] if flip else window
+
+
+def _padded(frame: av.VideoFrame, columns: int) -> av.VideoFrame:
+    """``frame`` itself, or, when swscale would convert it at its own size with its
+    YUV->RGB converter, a copy whose width is a multiple of ``columns`` and whose height
+    is even, its last column and row repeated (see the module docstring)."""
+    width, height = frame.width, frame.height
+    if (width % columns == 0 and height % 2 == 0) or frame.format.name not in _CONVERTED_YUV:
+        return frame
+    wide = av.VideoFrame(-(-width // columns) * columns, height + height % 2, frame.format.name)
+    for source, target in zip(frame.planes, wide.planes):
+        pixels = np.frombuffer(source, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
+            source.height, source.line_size)[:, :source.width]
+        rows = np.frombuffer(target, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
+            target.height, target.line_size)
+        rows[:source.height, :source.width] = pixels
+        rows[:source.height, source.width:target.width] = pixels[:, -1:]
+        rows[source.height:target.height, :target.width] = rows[source.height - 1, :target.width]
+    wide.color_range = frame.color_range  # the range and matrix of a YUV frame say how it
+    wide.colorspace = frame.colorspace    # converts: WebP and video frames carry theirs
+    return wide
 
 
 # Images over this many pixels are refused before decoding (gpufeed-server --max-pixels).

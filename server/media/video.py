@@ -3,7 +3,9 @@
 One ``VideoDecoder`` per decode thread, like ``ImageDecoder``: the clip's frames
 are colour-converted and scaled (squash, bilinear) in one swscale pass each and
 their planes copied into the ``uint8 [k, 3, H, W]`` row the caller hands in, so
-there is no per-clip tensor and no collate copy.
+there is no per-clip tensor and no collate copy. At the video's own size, a frame
+whose width is not a multiple of 16 is first copied into a wider one, or
+swscale would leave its right-most columns unwritten (``RgbScaler``, decode.py).
 
 Only the frames the clip needs are decoded: the demuxer seeks to the nearest
 keyframe at or before the clip's first frame and decoding runs forward from
