@@ -160,7 +160,10 @@ def test_loose_files_from_s3(s3, feed):
 @pytest.mark.parametrize("name", ["s3://other/train/shard-00.tar",
                                   "s3://data/train-evil/shard-00.tar",
                                   "s3://data/train/../train-evil/shard-00.tar",
-                                  "/etc/passwd.tar"])
+                                  "/etc/passwd.tar",
+                                  # loose objects too: located at open, not when read
+                                  "s3://data/train-other/x.jpg",
+                                  "s3://other/train/loose/0.jpg"])
 def test_outside_the_configured_prefixes_is_refused(feed, name):
     with pytest.raises(FeedError) as refused:
         feed.loader([name], batch_size=2, size=SIZE)
