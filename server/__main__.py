@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import math
 import os
@@ -10,23 +11,15 @@ import signal
 import sys
 import threading
 
-import torch
-
 import gpufeed
 
-try:
-    from .app import FeedServer, ServerConfig, default_threads
-    from .auth import read_token
-    from .media import jpeg
-    from .memory.budget import default_memory_bytes
-    from .serving.request import Limits
-except ModuleNotFoundError as e:
-    # A trainer image installs gpufeed alone; say what is missing rather than a traceback.
-    if e.name not in ("av", "prometheus_client", "grpc_health", "grpc_reflection"):
-        raise
-    _MISSING = e.name
-else:
-    _MISSING = None
+from .config import Limits, ServerConfig, default_threads
+from .memory.budget import default_memory_bytes
+from .storage.paths import DataRoots
+from .storage.roots import is_s3
+
+# What a trainer image lacks when it installs gpufeed alone (no server extra).
+_SERVER_EXTRA = ("av", "prometheus_client", "grpc_health", "grpc_reflection")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,6 +107,37 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check(args: argparse.Namespace, plugins: list[str]) -> None:
+    """Refuse (exit 2, naming the flag) what can be told without the server's imports:
+    values out of range, flags that go together, local data roots that are not
+    directories, plugin modules that cannot be found, files that are not there."""
+    error = _parser().error
+    if args.threads < 1:
+        error("--threads must be at least 1")
+    if args.max_waiting_calls < 1 or not args.open_timeout > 0:
+        error("--max-waiting-calls and --open-timeout must be positive")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        error("--tls-client-ca needs --tls-cert and --tls-key")
+    try:  # the check the server makes of them, done now
+        DataRoots([root for root in args.data_root if not is_s3(root)] or ["/"])
+    except OSError as e:
+        error(f"--data-root: {e}")
+    for module in plugins:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError) as e:  # a parent package that is missing or broken
+            error(f"--plugins {module}: cannot import it: {type(e).__name__}: {e}")
+        if not found:
+            error(f"--plugins {module}: cannot import it: no module named {module!r} on the "
+                  f"server's path")
+    for flag in ("tls_cert", "tls_key", "tls_client_ca", "token_file"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(path):
+            error(f"--{flag.replace('_', '-')}: {path!r} is not a file")
+
+
 # Seconds a stop may take beyond --drain-seconds (ending the calls, joining the threads,
 # unlinking shared memory) before the process exits regardless.
 _STOP_SECONDS = 5.0
@@ -142,30 +166,35 @@ def _exit_by(seconds: float, log: logging.Logger) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if _MISSING is not None:
-        print(f"gpufeed-server: the server's dependencies are not installed ({_MISSING} is "
-              f"missing); install gpufeed[server], e.g. pip install 'gpufeed[server]'",
-              file=sys.stderr)
-        return 1
+    # Everything the command line alone can tell is checked first: torch, PyAV and
+    # gRPC take seconds to import, and a mistake is refused before them.
     args = _parser().parse_args(argv)
+    plugins = [m.strip() for arg in args.plugins for m in arg.split(",") if m.strip()]
+    _check(args, plugins)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The metrics, ready and stopping lines are written whatever --log-level says:
     # whoever starts the server waits for the ready line (process.py does).
     lifecycle = logging.getLogger("gpufeed.server.lifecycle")
     lifecycle.setLevel(logging.INFO)
-    if args.threads < 1:
-        _parser().error("--threads must be at least 1")
+    try:
+        import torch
+
+        from .app import FeedServer
+        from .auth import read_token
+        from .media import jpeg
+    except ModuleNotFoundError as e:
+        if e.name not in _SERVER_EXTRA:
+            raise
+        # A trainer image installs gpufeed alone; say what is missing rather than a traceback.
+        print(f"gpufeed-server: the server's dependencies are not installed ({e.name} is "
+              f"missing); install gpufeed[server], e.g. pip install 'gpufeed[server]'",
+              file=sys.stderr)
+        return 1
     # The decode threads are the parallelism: a torch op inside one (the batch pass,
     # a sample transform) that also fans out over every core only makes the threads
     # fight for them, as in a DataLoader worker, which sets the same.
     torch.set_num_threads(1)
-    if args.max_waiting_calls < 1 or not args.open_timeout > 0:
-        _parser().error("--max-waiting-calls and --open-timeout must be positive")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        _parser().error("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        _parser().error("--tls-client-ca needs --tls-cert and --tls-key")
     try:
         config = ServerConfig(
             data_roots=args.data_root, listen=args.listen, threads=args.threads, device=args.device,
@@ -182,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             tls_client_ca=args.tls_client_ca, s3_endpoint=args.s3_endpoint,
             io_threads=args.io_threads, read_ahead_bytes=args.read_ahead_bytes,
             s3_connect_timeout=args.s3_connect_timeout, s3_read_timeout=args.s3_read_timeout,
-            plugins=[m.strip() for arg in args.plugins for m in arg.split(",") if m.strip()],
-            token=read_token(args.token_file) if args.token_file else None,
+            plugins=plugins, token=read_token(args.token_file) if args.token_file else None,
         )
         server = FeedServer(config)
     except (OSError, ValueError, RuntimeError) as e:

@@ -7,9 +7,7 @@
 from __future__ import annotations
 
 import logging
-import os
 from concurrent import futures
-from dataclasses import dataclass, field
 from functools import partial
 
 import grpc
@@ -20,68 +18,22 @@ from gpufeed.v1 import feed_pb2
 
 from . import transforms
 from .auth import TokenInterceptor, server_credentials
-from .media.decode import DEFAULT_MAX_PIXELS
+from .config import ServerConfig
 from .media.pipeline import set_process_count, shutdown_processes
 from .media.samples import Decoders
 from .memory.shm import ShmNamespace
 from .metrics import ServerMetrics
 from .serving.calls import CallGate, worker_threads
 from .serving.pool import DecodePool
-from .serving.request import Limits
 from .serving.service import FeedServicer
 from .serving.watchdog import Watchdog
 from .serving.wire import add_feed_servicer
-from .storage.paths import DEFAULT_MAX_FILE_BYTES
-from .storage.roots import S3_CONNECT_TIMEOUT, S3_READ_TIMEOUT, Storage
+from .storage.roots import Storage
 
 __all__ = ["FeedServer", "ServerConfig"]
 
 _log = logging.getLogger(__name__)
 _SERVICE = feed_pb2.DESCRIPTOR.services_by_name["Feed"].full_name
-
-
-def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-@dataclass
-class ServerConfig:
-    data_roots: list[str]
-    listen: str = "0.0.0.0:50051"
-    threads: int = field(default_factory=default_threads)
-    # "cpu", or "cuda:N" to assemble batches on that GPU and offer cuda_ipc.
-    device: str = "cpu"
-    metrics_port: int = 0
-    max_streams: int = 64
-    # Calls that have not sent their first message (a Stream its `open`), each
-    # ended after open_timeout seconds; as many health Watch / reflection calls.
-    max_waiting_calls: int = 16
-    open_timeout: float = 10.0
-    limits: Limits = field(default_factory=Limits)
-    # Largest client message (requests with long inline file lists).
-    max_request_bytes: int = 64 << 20
-    # Images declaring more pixels are refused before decoding (decompression bombs).
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    # Sample files larger than this (or not regular files) fail before they are read.
-    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
-    # On SIGTERM, open streams get this long to finish before they end UNAVAILABLE.
-    drain_seconds: float = 5.0
-    # TLS (cert + key; client_ca also demands client certificates) and a bearer token.
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    token: str | None = None
-    # Endpoint of S3-compatible storage for s3:// data roots (None: boto3's own settings).
-    s3_endpoint: str | None = None
-    # Seconds to connect to S3, and that a response may go silent (roots.py says why).
-    s3_connect_timeout: float = S3_CONNECT_TIMEOUT
-    s3_read_timeout: float = S3_READ_TIMEOUT
-    # The I/O stage for S3 reads: its threads, and the bytes it may hold ahead (0: off).
-    io_threads: int = 16
-    read_ahead_bytes: int = 256 << 20
-    # Modules whose registered sample transforms requests may name (server/transforms.py),
-    # besides the built-in ones.
-    plugins: list[str] = field(default_factory=list)
 
 
 # Let clients ping every second or so (they do, to notice a dead server), and

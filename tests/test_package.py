@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 STUBS = ["feed_pb2.py", "feed_pb2.pyi", "feed_pb2_grpc.py"]
 
@@ -57,6 +59,28 @@ def test_client_only_install_says_what_the_server_needs(tmp_path):
     assert result.returncode == 1
     assert "install gpufeed[server]" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--data-root", "/no/such/dir"], "--data-root: data root '/no/such/dir' is not a directory"),
+    (["--plugins", "no_such_plugin"], "--plugins no_such_plugin: cannot import it"),
+    (["--threads", "x"], "argument --threads: invalid int value: 'x'"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--token-file", "/no/such/token"], "--token-file: '/no/such/token' is not a file"),
+    (["--help"], ""),
+])
+def test_the_command_line_is_refused_before_the_servers_imports(tmp_path, args, words):
+    """A mistake on the command line is refused before torch, PyAV and gRPC are imported
+    (they take seconds), so an operator's typo is answered at once."""
+    code = ("import sys\n"
+            "from gpufeed.server.__main__ import main\n"
+            "try:\n"
+            f"    main(['--data-root', {str(tmp_path)!r}, *{args!r}])\n"
+            "except SystemExit as e:\n"
+            "    print('exit', e.code, sorted({'torch', 'av', 'grpc'} & set(sys.modules)))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.splitlines()[-1] == f"exit {0 if args == ['--help'] else 2} []"
+    assert words in result.stderr
 
 
 def test_the_wheel_ships_py_typed(tmp_path):

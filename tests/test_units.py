@@ -64,9 +64,10 @@ def test_ring_leases_each_slot_once_until_released():
 
 def test_a_stream_refuses_the_release_of_a_batch_not_yet_sent(data_dir, image_names):
     """Leased but unpublished: decode threads may still write it (here: a pool of no threads)."""
+    from gpufeed.server.config import Limits
     from gpufeed.server.memory.heap import HeapSlots
     from gpufeed.server.serving.pool import DecodePool
-    from gpufeed.server.serving.request import Limits, plan_stream
+    from gpufeed.server.serving.request import plan_stream
     from gpufeed.server.serving.stream import Stream
     from gpufeed.server.storage.roots import Storage
     from gpufeed.v1 import feed_pb2

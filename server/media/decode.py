@@ -68,6 +68,7 @@ import numpy as np
 from av.error import FFmpegError
 from av.video.reformatter import Interpolation, VideoReformatter
 
+from ..config import DEFAULT_MAX_PIXELS
 from . import jpeg
 from .containers import HEAD_BYTES, IMAGE_FORMATS, image_format, open_container
 from .headers import declared_size
@@ -169,9 +170,6 @@ def _padded(frame: av.VideoFrame, columns: int) -> av.VideoFrame:
     wide.colorspace = frame.colorspace    # converts: WebP and video frames carry theirs
     return wide
 
-
-# Images over this many pixels are refused before decoding (gpufeed-server --max-pixels).
-DEFAULT_MAX_PIXELS = 100_000_000
 
 
 class ImageDecoder:

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
+from ..config import DEFAULT_MAX_PIXELS
 from ..storage.readahead import StreamReads
 from ..storage.roots import is_s3
 from .arrays import array_layout, check, read_arrays
-from .decode import DEFAULT_MAX_PIXELS, ImageDecoder
+from .decode import ImageDecoder
 from .fields import SampleFields
 from .output import CLIP, OutputTransform, sample_draws
 from .video import VideoDecoder, centred_start, random_start

@@ -48,8 +48,9 @@ import av
 import numpy as np
 from av.error import FFmpegError
 
+from ..config import DEFAULT_MAX_PIXELS
 from .containers import HEAD_BYTES, VIDEO_FORMATS, open_container, video_format
-from .decode import DEFAULT_MAX_PIXELS, DecodeError, OverLimit, RgbScaler
+from .decode import DecodeError, OverLimit, RgbScaler
 from .output import SampleDraws
 
 __all__ = ["VideoDecoder", "centred_start", "random_start"]

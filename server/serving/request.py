@@ -18,7 +18,7 @@ import posixpath
 import weakref
 from array import array
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -27,6 +27,7 @@ import torch
 from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import BFLOAT16
 
+from ..config import Limits
 from ..media.arrays import read_arrays
 from ..media.decode import DecodeError
 from ..media.fields import MASK, FieldError, SampleFields
@@ -43,7 +44,7 @@ from ..media.samples import (
     is_sample_file,
     sample_kind,
 )
-from ..memory.budget import default_memory_bytes, return_free_memory
+from ..memory.budget import return_free_memory
 from ..memory.ring import BatchLayout
 from ..storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots, SamplePaths
 from ..storage.roots import Storage, is_s3
@@ -64,41 +65,12 @@ from .order import Batches, shard_order, split_batches, tar_order
 from .planning import PlanStopped
 from .wire import COMPRESSORS
 
-__all__ = ["Limits", "StreamPlan", "plan_stream"]
+__all__ = ["StreamPlan", "plan_stream"]
 
 _MAX_SIDE = 8192
 _LIST_CHUNK = 1 << 20  # bytes of a list file decoded at a time
 # A plan this large gives the allocator's free memory back to the system when it goes.
 _TRIM_AFTER_BYTES = 8 << 20
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a request is checked against (plan_stream, the servicer). The server's other
-    limits are enforced where the bytes are, so they are app.py's ServerConfig's: the
-    decoders' --max-pixels, the storage's --max-file-bytes, gRPC's --max-request-bytes."""
-
-    # A request that sets no failure budget tolerates this many bad samples, or
-    # this fraction of its samples if that is more: a few bad files in a large
-    # data set are normal, a directory of them is a mistake worth stopping for.
-    default_max_failures: int = 10
-    default_max_failure_fraction: float = 0.001
-    default_prefetch: int = 4
-    # A stream whose trainer releases nothing for this long while every slot is
-    # leased is ended (UNAVAILABLE; the client library resumes it).
-    lease_timeout: float = 300.0
-    max_prefetch: int = 16
-    max_batch_bytes: int = 1 << 30
-    max_samples: int = 10_000_000
-    # Tar shards one request may name, refused before any is indexed (each costs a
-    # HEAD or an open even when missing, and its index). --max-samples' 10M samples fill
-    # 100,000 shards of 100 samples, where WebDataset shards hold thousands each; a
-    # request naming more is a mistake or an attack, not a data set.
-    max_shards: int = 100_000
-    # A list file larger than this is refused before it is read (~12M lines of 40 bytes).
-    max_list_bytes: int = 512 << 20
-    # Every open stream's ring and plan together (service.py, budget.py).
-    max_memory_bytes: int = field(default_factory=default_memory_bytes)
 
 
 @dataclass

@@ -28,6 +28,7 @@ import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 from gpufeed.v1.vocabulary import UNREAD, transport_name
 
+from ..config import Limits
 from ..media.samples import Decoders
 from ..memory.budget import MemoryBudget, MemoryExhausted
 from ..memory.memories import SlotMemories
@@ -53,7 +54,7 @@ from .errors import (
 )
 from .planning import Planning, PlanStopped
 from .pool import DecodePool
-from .request import Limits, StreamPlan, plan_stream
+from .request import StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
 from .stream import SlotBatch, Stream
 from .watchdog import Watchdog, end_call
