@@ -27,6 +27,14 @@ type (checked against the factory's annotations: ``int``, ``float``, ``bool``,
 raises refuses the request with INVALID_ARGUMENT naming the transform. Clients
 send names and JSON values only, never code.
 
+Before any factory sees them, parameters are bounded here, the same for every
+transform: at most ``MAX_PARAMS_CHARS`` characters of JSON (what parsing and
+checking them may cost the server), nested at most ``jsontext.MAX_DEPTH``
+levels, and every number in them finite and, if an integer, within 64 bits
+(what ``float()`` and numpy take without overflowing). A factory still checks
+its own ranges; one that overflows (``ArithmeticError``) refuses the request
+as a ``ValueError`` does.
+
 The per-sample function gets the sample's fields, a dict of name -> numpy array
 (``image`` is the decoded uint8 [3, H, W] row, after the crop and flip; ``mask``,
 ``boxes``, ``meta`` when the request has those fields: media/fields.py), and a
@@ -53,6 +61,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -60,7 +69,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Registered", "SampleFn", "TransformError", "load", "lookup", "names", "register"]
+from .media import jsontext
+
+__all__ = ["MAX_PARAMS_CHARS", "Registered", "SampleFn", "TransformError", "load", "lookup",
+           "names", "parse_params", "register"]
 
 # The fields of one sample: name -> array ("image": uint8 [3, H, W]).
 Fields = dict[str, typing.Any]
@@ -69,6 +81,12 @@ SampleFn = Callable[[Fields, np.random.Generator], Fields]
 
 # Modules every server loads: the built-in augmentations are plugins too.
 BUILT_IN = ("gpufeed.server.media.augment",)
+
+# A transform's parameters, as JSON text: room for a lookup table of a few thousand
+# numbers, while parsing and checking the most a request may send stays milliseconds.
+MAX_PARAMS_CHARS = 64 * 1024
+# Integers a parameter may hold: numpy's int64 (float() takes them all as well).
+_INT64 = (-(1 << 63), 1 << 63)
 
 
 class TransformError(ValueError):
@@ -94,9 +112,12 @@ class Registered:
                 raise TransformError(f"{self.name!r} has no parameter {key!r} (it takes: "
                                      f"{', '.join(accepted) or 'none'})")
             _check_type(self.name, key, value, accepted[key])
+            if not _numbers_fit(value):
+                raise TransformError(f"{self.name!r}: parameter {key!r} must hold finite "
+                                     f"numbers (integers within 64 bits), got {_shown(value)}")
         try:
             fn = self.factory(**params)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ArithmeticError) as e:
             raise TransformError(f"{self.name!r}: {e}") from None
         if not callable(fn):
             raise TransformError(f"{self.name!r}: its factory returned {type(fn).__name__}, "
@@ -158,11 +179,15 @@ def lookup(name: str) -> Registered:
 
 
 def parse_params(name: str, params_json: str) -> dict:
-    """A request's parameters: a JSON object; TransformError if it is not one."""
+    """A request's parameters: a JSON object of at most ``MAX_PARAMS_CHARS`` characters,
+    nested at most ``jsontext.MAX_DEPTH`` levels; TransformError if it is not one."""
     if not params_json:
         return {}
+    if len(params_json) > MAX_PARAMS_CHARS:
+        raise TransformError(f"{name!r}: parameters are {len(params_json)} characters of JSON, "
+                             f"over the {MAX_PARAMS_CHARS} a transform's parameters may take")
     try:
-        params = json.loads(params_json)
+        params = jsontext.loads(params_json)
     except ValueError as e:
         raise TransformError(f"{name!r}: parameters are not JSON: {e}") from None
     if not isinstance(params, dict):
@@ -185,7 +210,30 @@ def _check_type(name: str, key: str, value: object, hint: object) -> None:
     if hint is None or _fits(value, hint):
         return
     raise TransformError(f"{name!r}: parameter {key!r} must be {_describe(hint)}, got "
-                         f"{json.dumps(value)}")
+                         f"{_shown(value)}")
+
+
+def _numbers_fit(value: object) -> bool:
+    """Whether every number in ``value`` (lists and objects searched) is finite and, if an
+    integer, within int64: NaN, Infinity, 1e999 and 10**400 are not."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return False
+        if isinstance(item, int) and not _INT64[0] <= item < _INT64[1]:
+            return False
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return True
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """``value`` as JSON for a message, cut to about ``limit`` characters."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _fits(value: object, hint: object) -> bool:

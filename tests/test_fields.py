@@ -21,11 +21,11 @@ from PIL import Image, ImageDraw
 
 from gpufeed.client import FeedError, Field, metadata, split
 from gpufeed.server.demo import synthetic_photo
-from gpufeed.server.media.decode import DecodeError
-from gpufeed.server.media.fields import Sidecar
+from gpufeed.server.media.decode import DecodeError, OverLimit, SourceWindow
+from gpufeed.server.media.fields import SampleFields, Sidecar
 from gpufeed.server.media.output import OutputTransform, sample_draws
 from gpufeed.v1 import feed_pb2
-from support import psnr
+from support import psnr, status_mb
 
 SIZE = (40, 48)
 SEED, EPOCH = 5, 1
@@ -324,3 +324,135 @@ def test_a_saved_position_belongs_to_its_fields(feed, field_root):
     without = feed.loader(files="fields/images/train/", batch_size=4, size=SIZE)
     with pytest.raises(ValueError, match="labels differs"):
         without.load_state_dict(with_fields.state_dict())
+
+
+def _reset_peak(pid: int) -> float:
+    """Start process ``pid``'s peak memory (VmHWM) afresh (Linux: "5" to clear_refs); its
+    memory now, in MB: what the peak after is compared with."""
+    with open(f"/proc/{pid}/clear_refs", "w") as clear:
+        clear.write("5")
+    return status_mb(pid)
+
+
+def _still_exact(feed, field_root) -> None:
+    """Info answers, and a pass of the good samples is exact: every sample once, each mask
+    and boxes equal to the reference."""
+    assert feed.info().version
+    seen = []
+    loader = feed.loader(files="fields/images/train/", batch_size=5, size=SIZE,
+                         resize="random_resized_crop", flip=0.5, seed=SEED, epoch=EPOCH,
+                         fields=FIELDS)
+    for batch in loader:
+        for row, (i, boxes) in enumerate(zip(batch["index"].tolist(), split(batch, "boxes"))):
+            _check_sample(field_root, f"s{i:02d}", i, batch, row, boxes)
+            seen.append(i)
+    assert sorted(seen) == list(range(NUM)) and not loader.failures
+
+
+def _pass(feed, folder: str, fields, names: list[str], root) -> tuple[list[int], dict]:
+    """A pass of ``folder``'s samples with ``fields``: the indices delivered (each checked
+    against the reference) and the failures by index."""
+    loader = feed.loader(files=folder, batch_size=3, size=SIZE, resize="random_resized_crop",
+                         flip=0.5, seed=SEED, epoch=EPOCH, fields=fields, failure_budget=len(names))
+    metas = {}
+    for batch in loader:
+        for row, (i, boxes, meta) in enumerate(zip(batch["index"].tolist(), split(batch, "boxes"),
+                                                   metadata(batch))):
+            _check_sample(root, names[i], i, batch, row, boxes)
+            metas[i] = meta
+    for i, meta in metas.items():  # a sample's own metadata (what is not a dict: checked after)
+        assert not isinstance(meta, dict) or meta["name"] == names[i], (i, meta)
+    return sorted(metas), {f.index: f for f in loader.failures}
+
+
+def test_sidecars_over_their_bound_fail_alone_before_they_are_read(server, feed, data_dir,
+                                                                   field_root):
+    """Boxes and metadata sidecars are bounded by their field's max_items: a 20 MB box file
+    (2M boxes) is refused by its size unread, one box over max_items is refused, metadata
+    nested 2,000 or 40 deep fails as undecodable (not a server bug); every other sample
+    arrives exactly, the server's memory does not grow, and it serves on."""
+    root = data_dir / "fields_bounds"
+    names = [f"h{i:02d}" for i in range(8)]
+    _tree(root, names, np.random.default_rng(13))
+    labels, images = root / "labels" / "train", root / "images" / "train"
+    (labels / "h01.txt").write_text("0 0 1 1 0\n" * 2_000_000)
+    (labels / "h02.txt").write_text("1 1 2 2 0\n" * 9)
+    (images / "h03.json").write_text("[" * 2000 + "]" * 2000)  # under 4096 bytes
+    (images / "h04.json").write_text("[" * 100_000 + "]" * 100_000)
+    (images / "h05.json").write_text("[" * 40 + "]" * 40)
+    before = _reset_peak(server.proc.pid)
+    indices, failures = _pass(feed, "fields_bounds/images/train/", FIELDS, names, root)
+    assert status_mb(server.proc.pid, "VmHWM") - before < 100  # MB: 2M boxes are never parsed
+    assert indices == [0, 6, 7] and sorted(failures) == [1, 2, 3, 4, 5]
+    expected = {
+        1: ("too_large", "boxes: sidecar fields_bounds/labels/train/h01.txt is larger than the "
+                         "5120 bytes that 8 boxes may take (fields[1].max_items"),
+        2: ("too_large", "boxes: more than the 8 boxes per sample that fields[1].max_items "
+                         "allows"),
+        3: ("undecodable", "meta: not JSON: nested deeper than 32 levels"),
+        4: ("too_large", "meta: sidecar fields_bounds/images/train/h04.json is larger than the "
+                         "4096 bytes per sample that fields[2].max_items allows"),
+        5: ("undecodable", "meta: not JSON: nested deeper than 32 levels"),
+    }
+    for index, (category, words) in expected.items():
+        assert failures[index].category == category, failures[index]
+        assert words in failures[index].reason, failures[index].reason
+    _still_exact(feed, field_root)
+
+
+def test_a_json_box_list_is_bounded_before_it_is_parsed(server, feed, data_dir, field_root):
+    """The JSON form: a 24 MB list of 2M boxes is refused by its size unread (its parse
+    would hold the GIL for seconds), nine boxes for max_items 8 by their count, a list
+    nested 40 deep or not JSON as undecodable; the rest arrives exactly, memory does not
+    grow, and the server serves on."""
+    root = data_dir / "fields_json_bounds"
+    names = [f"j{i:02d}" for i in range(7)]
+    _tree(root, names, np.random.default_rng(17))
+    labels = root / "labels" / "train"
+    for name in names:
+        lines = (labels / f"{name}.txt").read_text().splitlines()[1:]
+        (labels / f"{name}.json").write_text(json.dumps([[float(v) for v in line.split()]
+                                                         for line in lines], indent=2))
+    (labels / "j01.json").write_text("[" + ",".join(["[0, 0, 1, 1, 0]"] * 2_000_000) + "]")
+    (labels / "j02.json").write_text(json.dumps([[1, 1, 2, 2, 0]] * 9))
+    (labels / "j03.json").write_text("[" * 40 + "]" * 40)
+    (labels / "j04.json").write_text("[[1, 2, 3, 4, 5]")
+    fields = {**FIELDS, "boxes": Field(".json", tree=("images", "labels"), max_items=8)}
+    before = _reset_peak(server.proc.pid)
+    indices, failures = _pass(feed, "fields_json_bounds/images/train/", fields, names, root)
+    assert status_mb(server.proc.pid, "VmHWM") - before < 100  # MB, at its peak
+    assert indices == [0, 5, 6] and sorted(failures) == [1, 2, 3, 4]
+    expected = {
+        1: ("too_large", "boxes: sidecar fields_json_bounds/labels/train/j01.json is larger "
+                         "than the 6144 bytes that 8 boxes may take (fields[1].max_items; 256 "
+                         "bytes a box"),
+        2: ("too_large", "boxes: more than the 8 boxes per sample that fields[1].max_items"),
+        3: ("undecodable", "boxes: not JSON: nested deeper than 32 levels"),
+        4: ("undecodable", "boxes: not JSON: Expecting"),
+    }
+    for index, (category, words) in expected.items():
+        assert failures[index].category == category, failures[index]
+        assert words in failures[index].reason, failures[index].reason
+    _still_exact(feed, field_root)
+
+
+def test_a_shard_members_fields_are_bounded_before_they_are_parsed():
+    """A tar shard's members arrive read (by the shard's own bound): their field's byte
+    bound is checked before they are parsed, and parsing stops past max_items."""
+    specs = [feed_pb2.FieldSpec(name="boxes", suffix=".boxes.json", max_items=8),
+             feed_pb2.FieldSpec(name="meta", suffix=".json", max_items=64)]
+    fields = SampleFields(specs, *SIZE)
+    image = np.zeros((3, *SIZE), np.uint8)
+    window = SourceWindow(SIZE[0], SIZE[1], (0, 0, SIZE[0], SIZE[1]))
+    many = ("[" + ",".join(["[0, 0, 1, 1, 0]"] * 2_000_000) + "]").encode()
+    with pytest.raises(OverLimit, match=r"boxes: \d+ bytes, over the 6144 bytes that 8 boxes"):
+        fields.convert({"boxes": many, "meta": b"{}"}, image, window, False, 1 << 20)
+    with pytest.raises(OverLimit, match="meta: 65 bytes, over the 64 bytes per sample"):
+        fields.convert({"boxes": b"[]", "meta": b'"' + b"x" * 63 + b'"'}, image, window, False,
+                       1 << 20)
+    nine = json.dumps([[1, 1, 2, 2, 0]] * 9).encode()
+    with pytest.raises(OverLimit, match="more than the 8 boxes"):
+        fields.convert({"boxes": nine, "meta": b"{}"}, image, window, False, 1 << 20)
+    eight = json.dumps([[1, 1, 2, 2, 0]] * 8).encode()
+    sample = fields.convert({"boxes": eight, "meta": b"{}"}, image, window, False, 1 << 20)
+    assert sample["boxes"].shape == (8, 5)

@@ -13,6 +13,7 @@ import pytest
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.media.output import sample_rng
 from gpufeed.server.process import ServerProcess
+from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
 _PLUGIN = '''
 from __future__ import annotations
@@ -49,6 +50,14 @@ def fail_sometimes(p: float = 0.5):
 def black_under_mask():
     def apply(sample, rng):
         sample["image"][:, sample["mask"] > 0] = 0
+        return sample
+
+    return apply
+
+
+@transforms.register("keep_anything")
+def keep_anything(data: list | dict | None = None):
+    def apply(sample, rng):
         return sample
 
     return apply
@@ -219,6 +228,60 @@ def test_bad_transforms_are_refused_at_open(feed, image_names, transforms, words
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     for word in words:
         assert word in str(refused.value)
+
+
+def _levels(levels: int) -> dict:
+    """Parameters nested ``levels`` deep, the object itself the first level."""
+    data: list = []
+    for _ in range(levels - 2):
+        data = [data]
+    return {"data": data}
+
+
+@pytest.mark.parametrize("params, words", [
+    (_levels(33), ["nested deeper than 32 levels"]),
+    ({"data": [0] * 40_000}, ["parameters are", "over the 65536"]),
+    ({"data": {f"k{i}": i for i in range(10_000)}}, ["over the 65536"]),
+])
+def test_a_plugins_parameters_are_bounded_before_it_sees_them(feed, image_names, params, words):
+    """Whatever a plugin's factory takes, parameters nested deeper than 32 levels or over
+    64 KiB of JSON are refused by the server first, naming the transform; at the bounds
+    they reach it."""
+    with pytest.raises(FeedError) as refused:
+        _loader(feed, image_names, [("keep_anything", params)])
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    for word in ["sample_transforms[0]", "'keep_anything'", *words]:
+        assert word in str(refused.value), str(refused.value)
+    at_bounds = [("keep_anything", _levels(32)), ("keep_anything", {"data": [0] * 20_000})]
+    assert sorted(_images(_loader(feed, image_names, at_bounds))) == list(range(N))
+
+
+@pytest.mark.parametrize("params_json, words", [
+    ('{"data": ' + "[" * 100_000 + "]" * 100_000 + "}", ["over the 65536"]),
+    ('{"data": ' + "[" * 30_000 + "]" * 30_000 + "}", ["nested deeper than 32 levels"]),
+    ('{"data": [1, Infinity]}', ["parameter 'data'", "finite"]),
+    ('{"data": {"a": [NaN]}}', ["parameter 'data'", "finite"]),
+    ('{"data": [1e999]}', ["parameter 'data'", "finite"]),
+])
+def test_a_plugins_parameters_sent_raw_are_invalid_argument(plugin_server, feed, image_names,
+                                                            params_json, words):
+    """What the client would not send (100,000 levels deep, NaN, Infinity) is refused as
+    INVALID_ARGUMENT naming the transform, not UNKNOWN with a recursion error; the server
+    serves on."""
+    request = feed_pb2.StreamRequest(
+        files=feed_pb2.FileList(paths=image_names[:N]), batch_size=8,
+        output=feed_pb2.OutputSpec(height=SIZE, width=SIZE), transport=feed_pb2.TRANSPORT_INLINE,
+        prefetch=1, sample_transforms=[feed_pb2.SampleTransform(name="keep_anything",
+                                                               params_json=params_json)])
+    with grpc.insecure_channel(plugin_server.address) as channel:
+        call = feed_pb2_grpc.FeedStub(channel).Stream(
+            iter([feed_pb2.ClientMessage(open=request)]), timeout=60)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    for word in ["sample_transforms[0]", "'keep_anything'", *words]:
+        assert word in info.value.details(), info.value.details()
+    assert sorted(_images(_loader(feed, image_names, [("keep_anything", {})]))) == list(range(N))
 
 
 def test_parameters_must_be_json(feed, image_names):

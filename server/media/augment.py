@@ -19,6 +19,14 @@ checks them against references written from its formulas).
 Not offered: TrivialAugmentWide's bilinear interpolation (nearest only, its
 default) and RandomErasing's ``value="random"`` (normal noise, meaningful for
 float images only; rows here are uint8).
+
+Where torchvision leaves a parameter unbounded, a request is bounded here, so
+that every per-sample draw and kernel is finite and what a factory allocates
+is small: ColorJitter's factors at most ``_MAX_FACTOR``, TrivialAugmentWide's
+``num_magnitude_bins`` at most ``_MAX_BINS`` (its magnitude table, 11
+operations x bins float32, is then at most 11 KiB), RandomErasing's ``ratio``
+within ``_RATIO_RANGE``; lists have their length (a pair, one value or one
+per channel) checked before their items.
 """
 
 from __future__ import annotations
@@ -43,6 +51,17 @@ __all__ = ["NATIVE_BUILT", "adjust_brightness", "adjust_contrast", "adjust_hue",
            "posterize", "rotate", "solarize", "use_native"]
 
 _GRAY = (0.2989, 0.587, 0.114)  # torchvision's (ITU-R 601) luma weights
+# ColorJitter's largest brightness, contrast or saturation factor: at 255 one level of
+# difference already spans the whole uint8 range (torchvision's own examples stay under 2).
+_MAX_FACTOR = 255.0
+# TrivialAugmentWide's most magnitude bins: a uint8 image tells at most 256 magnitudes of an
+# operation apart (256 solarize thresholds, colour factors 0.004 apart moving a pixel by about
+# a level, translations of whole pixels in 0..32, 7 posterize bit counts); torchvision's
+# default is 31.
+_MAX_BINS = 256
+# RandomErasing's aspect ratios (h / w): torchvision's (0.3, 3.3) and far beyond; the bound
+# of a random crop's (output.py): outside it a box is a row of pixels.
+_RATIO_RANGE = (0.01, 100.0)
 
 NATIVE_BUILT = _augment is not None
 _native: Any = _augment  # the C module while the C kernels are on, else None
@@ -294,7 +313,7 @@ def _factor_range(name: str, value: float | list[float], centre: float,
     factors' low end at least 0); a pair is itself, within ``bounds``.
     None: the identity range, skipped."""
     if isinstance(value, (int, float)):
-        if value < 0:
+        if not value >= 0:  # NaN too
             raise ValueError(f"{name} must be non-negative, got {value}")
         low, high = centre - value, centre + value
         if bounds[0] == 0:  # factors: [max(0, 1 - v), 1 + v]
@@ -314,8 +333,8 @@ def color_jitter(brightness: float | list[float] = 0.0, contrast: float | list[f
                  saturation: float | list[float] = 0.0,
                  hue: float | list[float] = 0.0) -> SampleFn:
     """torchvision.transforms.v2.ColorJitter: the four adjustments, each with a factor drawn
-    uniformly from its range, in a random order."""
-    factors = (0.0, math.inf)
+    uniformly from its range, in a random order; factors at most ``_MAX_FACTOR``."""
+    factors = (0.0, _MAX_FACTOR)
     ranges = [_factor_range("brightness", brightness, 1.0, factors),
               _factor_range("contrast", contrast, 1.0, factors),
               _factor_range("saturation", saturation, 1.0, factors),
@@ -335,8 +354,8 @@ def color_jitter(brightness: float | list[float] = 0.0, contrast: float | list[f
     return apply
 
 
-def _linspace(low: float, high: float, bins: int) -> list[float]:
-    return torch.linspace(low, high, bins).tolist()  # float32 steps, as torchvision's
+def _linspace(low: float, high: float, bins: int) -> np.ndarray:
+    return torch.linspace(low, high, bins).numpy()  # float32 steps, as torchvision's
 
 
 # TrivialAugmentWide's operations: (name, magnitudes for ``bins`` bins or None, signed).
@@ -352,7 +371,7 @@ _WIDE_OPS = (
     ("Contrast", lambda bins: _linspace(0.0, 0.99, bins), True),
     ("Sharpness", lambda bins: _linspace(0.0, 0.99, bins), True),
     ("Posterize", lambda bins: (8 - (torch.arange(bins) / ((bins - 1) / 6))).round().int()
-     .tolist(), False),
+     .numpy(), False),
     ("Solarize", lambda bins: _linspace(1.0, 0.0, bins), False),
     ("AutoContrast", lambda bins: None, False),
     ("Equalize", lambda bins: None, False),
@@ -387,13 +406,25 @@ def apply_wide_op(image: torch.Tensor, op: str, magnitude: float,
     raise ValueError(f"no operation {op!r}")
 
 
+def _pixel_values(name: str, value: float | Sequence[float], counts: tuple[int, ...]
+                  ) -> list[float]:
+    """``value``, one number or a list of ``counts`` numbers, each in [0, 255] (uint8
+    pixels); ValueError naming ``name`` otherwise (the length checked first)."""
+    number = isinstance(value, (int, float))
+    values = [value] if number else value
+    # The length before the items (a list may be long); NaN and infinities fail the range.
+    if not (number or len(values) in counts) or not all(0 <= v <= 255 for v in values):
+        shown = value if len(values) <= 8 else f"a list of {len(values)}"
+        raise ValueError(f"{name} must be a number or a list of {' or '.join(map(str, counts))} "
+                         f"numbers in [0, 255] (uint8 pixels), got {shown}")
+    return [float(v) for v in values]
+
+
 def _fill(fill: float | list[float] | None) -> list[float] | None:
     if fill is None:
         return None
-    values = [float(fill)] * 3 if isinstance(fill, (int, float)) else [float(v) for v in fill]
-    if len(values) != 3 or not all(0 <= v <= 255 for v in values):
-        raise ValueError(f"fill must be a number or three numbers in [0, 255], got {fill}")
-    return values
+    values = _pixel_values("fill", fill, (3,))
+    return values * 3 if len(values) == 1 else values
 
 
 @register("trivial_augment_wide", moves_image=True)
@@ -401,8 +432,9 @@ def trivial_augment_wide(num_magnitude_bins: int = 31,
                          fill: float | list[float] | None = None) -> SampleFn:
     """torchvision.transforms.v2.TrivialAugmentWide: one operation drawn uniformly, at a
     magnitude drawn uniformly from its bins, negated half the time for signed ones."""
-    if num_magnitude_bins < 2:
-        raise ValueError(f"num_magnitude_bins must be at least 2, got {num_magnitude_bins}")
+    if not 2 <= num_magnitude_bins <= _MAX_BINS:
+        raise ValueError(f"num_magnitude_bins must be in 2..{_MAX_BINS} (a uint8 image tells "
+                         f"no more magnitudes apart), got {num_magnitude_bins}")
     pixels = _fill(fill)
     table = [(name, magnitudes(num_magnitude_bins), signed) for name, magnitudes, signed
              in _WIDE_OPS]
@@ -446,12 +478,11 @@ def random_erasing(p: float = 0.5, scale: Sequence[float] = (0.02, 0.33),
         raise ValueError(f"p must be in [0, 1], got {p}")
     if len(scale) != 2 or not 0 <= scale[0] <= scale[1] <= 1:
         raise ValueError(f"scale must be [min, max] with 0 <= min <= max <= 1, got {list(scale)}")
-    if len(ratio) != 2 or not 0 < ratio[0] <= ratio[1]:
-        raise ValueError(f"ratio must be [min, max] with 0 < min <= max, got {list(ratio)}")
-    values = [value] if isinstance(value, (int, float)) else list(value)
-    if len(values) not in (1, 3) or not all(0 <= v <= 255 for v in values):
-        raise ValueError(f"value must be a number or three numbers in [0, 255] (uint8 "
-                         f"pixels), got {value}")
+    low, high = _RATIO_RANGE
+    if len(ratio) != 2 or not low <= ratio[0] <= ratio[1] <= high:
+        raise ValueError(f"ratio must be [min, max] with {low:g} <= min <= max <= {high:g}, "
+                         f"got {list(ratio)}")
+    values = _pixel_values("value", value, (1, 3))
     fill = torch.tensor(values, dtype=torch.float64).to(torch.uint8).view(-1, 1, 1)
     box_scale, box_ratio = (float(scale[0]), float(scale[1])), (float(ratio[0]), float(ratio[1]))
 

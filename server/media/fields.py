@@ -27,6 +27,18 @@ float32 [k, 5] (x0, y0, x1, y1, class, output pixels), ``meta`` uint8 [n]
   flipped with the image (x0' = W - x1, x1' = W - x0).
 - meta: any JSON document, checked to parse, passed through as its bytes.
 
+A field's file is bounded by its ``max_items`` before it is read (a sidecar
+larger is refused by its size, a shard member before it is parsed), and a
+sample over the bound fails as ``too_large``: metadata at ``max_items`` bytes;
+boxes at ``max_items`` boxes of ``_TEXT_BOX_BYTES`` (a line of five numbers as
+long as float64 prints them, ~125 characters) or ``_JSON_BOX_BYTES`` (a box
+list pretty-printed, one number a line) each, and ``_HEADER_BYTES`` for a
+header and comments. Parsing stops at ``max_items + 1`` boxes; a JSON box
+list is counted by its brackets and commas before it is parsed, so that the
+parse, which holds the GIL, has at most ``max_items`` boxes' numbers to read.
+JSON is parsed within a depth (jsontext.py): too deep, like malformed, fails
+the sample as ``undecodable`` (``meta: not JSON: ...``).
+
 Variable-length fields travel flat with offsets: a batch's ``boxes`` is
 float32 [N, 5] with ``boxes_offsets`` int64 [B + 1] (sample i's boxes are
 ``boxes[offsets[i]:offsets[i + 1]]``), ``meta`` uint8 [M] with
@@ -37,7 +49,7 @@ thread packs the rows together (``SampleFields.pack``) before it is sent.
 
 from __future__ import annotations
 
-import json
+import io
 import math
 import posixpath
 from collections.abc import Iterable
@@ -47,7 +59,9 @@ import numpy as np
 
 from gpufeed.v1 import feed_pb2
 
-from .decode import DecodeError, SourceWindow, decode_frame
+from ..storage.paths import FileTooLarge
+from . import jsontext
+from .decode import DecodeError, OverLimit, SourceWindow, decode_frame
 
 __all__ = ["BOXES", "FIELD_NAMES", "MASK", "META", "FieldError", "Sample", "SampleFields",
            "Sidecar", "nearest_window", "row_sample"]
@@ -60,6 +74,10 @@ _DEFAULT_ITEMS = {BOXES: 256, META: 4096}
 _MAX_ITEMS = {BOXES: 1 << 16, META: 1 << 20}
 _VARIABLE = (BOXES, META)
 _BOX_COLUMNS = 5  # x0, y0, x1, y1, class
+# The bytes a boxes file may take per box, and for a header and comments: see above.
+_TEXT_BOX_BYTES, _JSON_BOX_BYTES, _HEADER_BYTES = 128, 256, 4096
+# Brackets and commas a JSON box list may have beyond its boxes' own (_json_rows).
+_SPARE_TOKENS = 1024
 _MASK_FORMATS = ("gray", "pal8")  # pixel formats whose values are the stored indices
 
 # One sample's arrays by field name, after the crop and flip (see the module docstring).
@@ -173,11 +191,29 @@ class SampleFields:
     def read(self, storage, path: str, image: np.ndarray, window: SourceWindow, flip: bool,
              max_pixels: int) -> Sample:
         """The sample, its ``image`` row written, with its fields from its sidecar files
-        after the crop and flip; a mask over ``max_pixels`` (--max-pixels) is refused
-        before it is decoded."""
+        after the crop and flip; a mask over ``max_pixels`` (--max-pixels), or boxes or
+        metadata over ``max_bytes``, is refused before it is decoded (read)."""
         return self.convert({name: self._sidecar(storage, path, sidecar)
                              for name, sidecar in self.sidecars.items()}, image, window, flip,
                             max_pixels)
+
+    def max_bytes(self, name: str) -> int | None:
+        """The largest file field ``name`` may have (None: the mask, bounded by
+        --max-file-bytes and --max-pixels)."""
+        if name == BOXES:
+            return self.max_items[BOXES] * self._box_bytes() + _HEADER_BYTES
+        return self.max_items[META] if name == META else None
+
+    def _box_bytes(self) -> int:
+        return _JSON_BOX_BYTES if _is_json(self.sidecars[BOXES]) else _TEXT_BOX_BYTES
+
+    def _bound(self, name: str) -> str:
+        """Field ``name``'s byte limit and what sets it, for messages."""
+        at = f"{self.declared_at(name)}.max_items"
+        if name == META:
+            return f"the {self.max_items[META]} bytes per sample that {at} allows"
+        return (f"the {self.max_bytes(name)} bytes that {self.max_items[BOXES]} boxes may take "
+                f"({at}; {self._box_bytes()} bytes a box and {_HEADER_BYTES} more)")
 
     def convert(self, files: dict[str, bytes], image: np.ndarray, window: SourceWindow, flip: bool,
                 max_pixels: int) -> Sample:
@@ -185,6 +221,9 @@ class SampleFields:
         members)."""
         sample: Sample = {"image": image}
         for name, data in files.items():
+            limit = self.max_bytes(name)
+            if limit is not None and len(data) > limit:  # a shard's member: checked here
+                raise OverLimit(f"{name}: {len(data)} bytes, over {self._bound(name)}")
             if name == MASK:
                 sample[MASK] = self._mask(data, window, flip, max_pixels)
             elif name == BOXES:
@@ -193,14 +232,19 @@ class SampleFields:
                 sample[META] = self._meta(data)
         return sample
 
-    @staticmethod
-    def _sidecar(storage, path: str, sidecar: Sidecar) -> bytes:
+    def _sidecar(self, storage, path: str, sidecar: Sidecar) -> bytes:
+        """A sidecar's bytes; one larger than its field's ``max_bytes`` is refused unread."""
         located = storage.locate(sidecar.path(path, storage.root_of(path)))
         if located == path:
             raise DecodeError(f"{sidecar.field}: the sidecar {sidecar.suffix!r} is the sample "
                               f"itself")
+        limit = self.max_bytes(sidecar.field)
+        ours = limit is not None and limit < storage.max_file_bytes
         try:
-            return storage.read(located)
+            return storage.read(located, limit if ours else None)
+        except FileTooLarge as e:
+            why = f" is larger than {self._bound(sidecar.field)}" if ours else f": {e}"
+            raise OverLimit(f"{sidecar.field}: sidecar {storage.shown(located)}{why}") from None
         except FileNotFoundError:  # no errno: the message is the failure's (not_found) detail
             raise FileNotFoundError(f"{sidecar.field}: sidecar {storage.shown(located)} not found"
                                     ) from None
@@ -252,11 +296,11 @@ class SampleFields:
         return nearest_window(ids[:, :frame.width], window.box, self.height, self.width, flip)
 
     def _boxes(self, data: bytes, window: SourceWindow, flip: bool) -> np.ndarray:
-        boxes = _parse_boxes(data, self.sidecars[BOXES].suffix.lower().endswith(".json"))
         limit = self.max_items[BOXES]
-        if len(boxes) > limit:
-            raise DecodeError(f"boxes: {len(boxes)} boxes, over the {limit} per sample that "
-                              f"{self.declared_at(BOXES)}.max_items allows")
+        boxes = _parse_boxes(data, _is_json(self.sidecars[BOXES]), limit)
+        if boxes is None:
+            raise OverLimit(f"boxes: more than the {limit} boxes per sample that "
+                            f"{self.declared_at(BOXES)}.max_items allows")
         top, left, h, w = window.box
         sx, sy = self.width / w, self.height / h
         out = np.empty((len(boxes), _BOX_COLUMNS), np.float64)
@@ -268,14 +312,11 @@ class SampleFields:
             out[:, [0, 2]] = self.width - out[:, [2, 0]]
         return out.astype(np.float32)
 
-    def _meta(self, data: bytes) -> np.ndarray:
-        limit = self.max_items[META]
-        if len(data) > limit:
-            raise DecodeError(f"meta: {len(data)} bytes, over the {limit} per sample that "
-                              f"{self.declared_at(META)}.max_items allows")
+    @staticmethod
+    def _meta(data: bytes) -> np.ndarray:
         try:
-            json.loads(data)
-        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError alike
+            jsontext.loads(data)
+        except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, too deep alike
             raise DecodeError(f"meta: not JSON: {e}") from None
         return np.frombuffer(data, np.uint8)
 
@@ -316,22 +357,20 @@ def _centres(start: float, step: float, count: int, limit: int) -> np.ndarray:
     return np.clip(np.floor(np.add.accumulate(steps)).astype(np.int64), 0, limit - 1)
 
 
-def _parse_boxes(data: bytes, is_json: bool) -> np.ndarray:
-    """[k, 5] float64 boxes from a sidecar; DecodeError saying what is wrong."""
+def _is_json(sidecar: Sidecar) -> bool:
+    return sidecar.suffix.lower().endswith(".json")
+
+
+def _parse_boxes(data: bytes, is_json: bool, limit: int) -> np.ndarray | None:
+    """[k, 5] float64 boxes from a sidecar, or None when it has more than ``limit``;
+    DecodeError saying what is wrong."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DecodeError(f"boxes: not utf-8 text: {e}") from None
-    if is_json:
-        try:
-            rows = json.loads(text)
-        except ValueError as e:
-            raise DecodeError(f"boxes: not JSON: {e}") from None
-        if not isinstance(rows, list):
-            raise DecodeError("boxes: the JSON must be a list of [x0, y0, x1, y1, class] lists")
-    else:
-        rows = [line.split() for line in text.splitlines()
-                if line.strip() and not line.lstrip().startswith("#")]
+    rows = _json_rows(data, text, limit) if is_json else _text_rows(text, limit)
+    if rows is None:
+        return None
     boxes = np.empty((len(rows), _BOX_COLUMNS), np.float64)
     for i, values in enumerate(rows):
         try:
@@ -345,3 +384,37 @@ def _parse_boxes(data: bytes, is_json: bool) -> np.ndarray:
         if boxes[i, 2] < boxes[i, 0] or boxes[i, 3] < boxes[i, 1]:
             raise DecodeError(f"boxes: box {i} has x1 < x0 or y1 < y0: {values!r:.60}")
     return boxes
+
+
+def _text_rows(text: str, limit: int) -> list | None:
+    """Each box line's words (blank lines and ``#`` comments skipped), read up to the
+    ``limit + 1``-th box: None if there is one."""
+    rows = []
+    for line in io.StringIO(text, newline=None):  # one line at a time, \r\n and \r too
+        words = line.split()
+        if words and not words[0].startswith("#"):
+            if len(rows) == limit:
+                return None
+            rows.append(words)
+    return rows
+
+
+def _json_rows(data: bytes, text: str, limit: int) -> list | None:
+    """The JSON list of box lists; None if it has more than ``limit`` boxes.
+
+    Counted before parsing, since the parse holds the GIL: ``k`` boxes have
+    ``k + 1`` opening brackets and ``5k - 1`` commas, 6k in all, so a document
+    with more than ``6 * limit`` of them (and ``_SPARE_TOKENS``, so that a
+    malformed one is still parsed and said to be) has too many, and the parse
+    reads at most so many values.
+    """
+    tokens = data.count(b"[") + data.count(b"{") + data.count(b",")
+    if tokens > (_BOX_COLUMNS + 1) * limit + _SPARE_TOKENS:
+        return None
+    try:
+        rows = jsontext.loads(text)
+    except ValueError as e:
+        raise DecodeError(f"boxes: not JSON: {e}") from None
+    if not isinstance(rows, list):
+        raise DecodeError("boxes: the JSON must be a list of [x0, y0, x1, y1, class] lists")
+    return rows if len(rows) <= limit else None

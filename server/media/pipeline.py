@@ -18,10 +18,17 @@ the transform itself), waits without the GIL, and writes the result back.
 
 A transform that raises fails its sample alone; the reason names the
 transform.
+
+A request names at most ``MAX_TRANSFORMS`` transforms, each made at open and
+kept while its stream is; a worker process keeps the last ``MAX_TRANSFORMS``
+it made. Each factory's own allocations being small (augment.py bounds the
+built-ins' parameters so), what a request's transforms hold stays small, and
+is given back when its stream ends.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import threading
 from collections.abc import Iterable
@@ -36,10 +43,13 @@ from .. import transforms as registry
 from .fields import row_sample
 from .output import sample_rng
 
-__all__ = ["SampleTransforms", "TransformFailed", "set_process_count", "shutdown_processes"]
+__all__ = ["MAX_TRANSFORMS", "SampleTransforms", "TransformFailed", "set_process_count",
+           "shutdown_processes"]
 
 # sample_rng's decision number of the i-th transform: 100 + i (crop, flip, clip are 0-2).
 _FIRST_DECISION = 100
+# Transforms in one request: several times any augmentation pipeline's length.
+MAX_TRANSFORMS = 64
 
 
 class TransformFailed(Exception):
@@ -67,7 +77,12 @@ class SampleTransforms:
         """The transforms ``specs`` (SampleTransform messages) name; None for none.
         ValueError naming ``sample_transforms[i]`` and the transform when one is unknown,
         its parameters are not what it takes, or it moves the image alone while the
-        request's ``fields`` include a mask or boxes (they would no longer match)."""
+        request's ``fields`` include a mask or boxes (they would no longer match);
+        naming ``sample_transforms`` when there are more than ``MAX_TRANSFORMS``."""
+        specs = list(specs)
+        if len(specs) > MAX_TRANSFORMS:
+            raise ValueError(f"sample_transforms: {len(specs)} transforms, over the "
+                             f"{MAX_TRANSFORMS} a request may name")
         steps = []
         moved_with_image = sorted({"mask", "boxes"} & set(fields))
         for i, spec in enumerate(specs):
@@ -171,9 +186,6 @@ def shutdown_processes() -> None:
     _processes.shutdown()
 
 
-_made: dict[tuple[str, str], registry.SampleFn] = {}  # a worker's transforms, by request
-
-
 def _start_worker(modules: tuple[str, ...]) -> None:
     """A worker process's start: the server's transform modules, and torch on one thread
     (the workers are the parallelism; idle intra-op threads would spin on the cores)."""
@@ -181,14 +193,17 @@ def _start_worker(modules: tuple[str, ...]) -> None:
     registry.load(modules)
 
 
+@functools.lru_cache(maxsize=MAX_TRANSFORMS)
+def _made(name: str, params_json: str) -> registry.SampleFn:
+    """In a worker process: the transform ``name`` made from its JSON parameters, the last
+    ``MAX_TRANSFORMS`` kept (streams come and go; their transforms should too)."""
+    return registry.lookup(name).make(registry.parse_params(name, params_json))
+
+
 def _run_in_worker(name: str, params_json: str, key: tuple, fields: dict) -> dict:
     """In a worker process: the transform ``name`` made from its JSON parameters (once),
     run on ``fields`` with the sample's generator."""
-    fn = _made.get((name, params_json))
-    if fn is None:
-        fn = registry.lookup(name).make(registry.parse_params(name, params_json))
-        _made[(name, params_json)] = fn
-    result = fn(fields, sample_rng(*key))
+    result = _made(name, params_json)(fields, sample_rng(*key))
     if isinstance(result, dict):  # tensors travel back as arrays
         result = {k: v.numpy(force=True) if isinstance(v, torch.Tensor) else v
                   for k, v in result.items()}
