@@ -1,23 +1,40 @@
-"""Random bytes and random requests against a real server, which must serve on.
+"""Random bytes, random requests and hostile files against a real server, which must serve on.
 
 A fixed budget (call counts, one seed): raw bytes sent to every method through a
 generic channel call with no serializer, then StreamRequests whose every field
 takes a random value (in and out of range, non-finite, NUL bytes, unknown enum
 values). Meanwhile a well-behaved trainer makes passes, each of which must
 deliver every sample exactly once, and health checks must answer.
+
+Then the surfaces that read what a file or a parameter says: tar shards with
+one seeded mutation each (bit flips past the member names, sizes and checksums
+that lie, pax records and GNU long names that lie, truncation), sidecar files
+(boxes, metadata) that lie in their own ways, and sample-transform parameters
+drawn in and out of range. Every pass must end with an expected status (no
+hang, no server bug), deliver each shard sample with the image its label names,
+and leave the server serving a normal pass exactly, with nothing left in
+/dev/shm and its memory back near where it started.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import random
+import tarfile
 import threading
+from pathlib import Path
 
 import grpc
+import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gpufeed.client import FeedClient
+from gpufeed.client import FeedClient, FeedError, Field
 from gpufeed.server.process import ServerProcess
-from gpufeed.v1 import feed_pb2
+from gpufeed.v1 import feed_pb2, feed_pb2_grpc
+from shards import write_shards
+from support import MIN_PSNR_DB, psnr, shm_prefix, status_mb, stream_segments, wait_until
 
 SEED = 20261123
 RAW_CALLS = 120
@@ -169,3 +186,214 @@ def test_fuzzed_calls_leave_the_server_serving(data_dir, image_names):
             loader = feed.loader(files=files, batch_size=4, size=(16, 16))
             assert [i for b in loader for i in b["index"].tolist()] == list(range(40))
         assert not [line for line in server.log if "Traceback" in line], "".join(server.log)
+
+
+# -- the newer surfaces: tar shards, sidecar files, sample-transform parameters ---------
+
+SURFACE_SEED = 20261126
+MUTATED_SHARDS, SIDECAR_SAMPLES, PARAM_CALLS = 36, 24, 60
+# Statuses a pass over fuzzed files or parameters may end with: never UNKNOWN or INTERNAL
+# (a server bug), nor DEADLINE_EXCEEDED (a pass that hangs).
+_SURFACE_ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.DATA_LOSS}
+_SIZE = (16, 16)
+
+
+def _members(tar: bytes) -> list[int]:
+    """The offsets of a tar's member headers."""
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        return [member.offset for member in archive.getmembers()]
+
+
+def _pax_header(records: bytes) -> bytes:
+    """A pax extended header block (valid checksum) followed by ``records``, padded."""
+    header = bytearray(512)
+    header[0:10] = b"PaxHeader"
+    header[100:108] = b"0000644\0"
+    header[124:136] = b"%011o\0" % len(records)
+    header[156:157] = b"x"
+    header[257:265] = b"ustar\x0000"
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header) + records + b"\0" * (-len(records) % 512)
+
+
+def _mutated(rng: random.Random, good: bytes) -> bytes:
+    """``good`` with one seeded mutation of its headers (names left alone: a renamed
+    member is a different, valid tar), or cut short."""
+    data = bytearray(good)
+    at = rng.choice(_members(good))
+    kind = rng.randrange(6)
+    if kind == 0:  # bit flips past the name: mode, sizes, times, checksum, type, magic
+        for _ in range(rng.randint(1, 8)):
+            data[at + rng.randrange(100, 512)] ^= 1 << rng.randrange(8)
+    elif kind == 1:  # a size that lies
+        data[at + 124:at + 136] = rng.choice([
+            b"-0000000001\0", b"77777777777\0", b"\x80" + rng.randbytes(11),
+            b"\xff" * 12, b"99999999999\0", b"           \0", b"%011o\0" % (len(good) * 4)])
+    elif kind == 2:  # a wrong checksum
+        data[at + 148:at + 156] = b"%06o\0 " % rng.randrange(1 << 18)
+    elif kind == 3:  # a pax header whose records lie, before a member
+        records = rng.choice([b"13 size=-512\n", b"16 size=-100000\n", b"9 size=9\n",
+                              b"12 size=1e9\n", b"30 path=" + b"a" * 22 + b"\n",
+                              b"999999 path=x\n", b"1 \n", rng.randbytes(rng.randint(1, 300))])
+        data[at:at] = _pax_header(records)
+    elif kind == 4:  # a GNU long name declaring far more than the shard holds
+        longname = bytearray(512)
+        longname[0:13] = b"././@LongLink"
+        longname[124:136] = rng.choice([b"77777777777\0",  # 8 GiB; then 2**62 (base-256):
+                                        b"\x80" + b"\0" * 3 + b"\x40" + b"\0" * 7])
+        longname[156:157] = b"L"
+        longname[257:265] = b"ustar  \0"
+        longname[148:156] = b" " * 8
+        longname[148:156] = b"%06o\0 " % sum(longname)
+        data[at:at] = longname
+    else:  # cut short, anywhere
+        del data[rng.randrange(1, len(data)):]
+    return bytes(data)
+
+
+def _sidecar(rng: random.Random, kind: str) -> bytes:
+    """A hostile boxes (.txt) or meta (.json) file."""
+    if kind == "txt":
+        return rng.choice([
+            b"0 0 1 1 0\n" * rng.choice([1, 8, 9, 5000]), b"nan nan inf -inf 1\n",
+            b"1e400 0 1 1 0\n", b"0 0 1\n", b"a b c d e\n", rng.randbytes(rng.randint(0, 4000)),
+            b"-5 -5 -1 -1 -7\n" * 3, b"\0" * 100, b"0 0 1 1 99999999999999999999999\n"])
+    depth = rng.choice([1, 31, 33, 500, 50_000])
+    return rng.choice([
+        b"[" * depth + b"]" * depth, b'{"a": ' * 40 + b"1" + b"}" * 40, b"NaN",
+        json.dumps({"x": "y" * rng.choice([10, 5000])}).encode(), b"\xff\xfe{", b"",
+        rng.randbytes(rng.randint(1, 3000)), b'"' + b"\\u" * 100 + b'"', b"1" * 5000])
+
+
+def _wild(rng: random.Random, depth: int = 0):
+    """A parameter value: in range (half the time), out of range, non-finite, huge, deep,
+    or the wrong type."""
+    if rng.random() < 0.5:
+        return rng.choice([0, 0.1, 0.5, [0.1, 0.3], 1])
+    pick = rng.randrange(10)
+    if pick == 0 and depth < 3:
+        return [_wild(rng, depth + 1) for _ in range(rng.choice([0, 1, 2, 3, 4, 100]))]
+    if pick == 1:
+        nested = 0
+        for _ in range(rng.choice([5, 33, 200])):
+            nested = [nested]
+        return nested
+    return rng.choice([0, 1, -1, 0.5, 2, 31, 255, 256, 3_000_000, 10**30, 1e308,
+                       float("nan"), float("inf"), -float("inf"), "x", True, None, {"k": 1}])
+
+
+def _wild_transforms(rng: random.Random) -> list:
+    params = {"color_jitter": ["brightness", "contrast", "saturation", "hue"],
+              "trivial_augment_wide": ["num_magnitude_bins", "fill"],
+              "random_erasing": ["p", "scale", "ratio", "value"]}
+    chosen = []
+    for name in rng.sample(sorted(params), rng.randint(1, 3)):
+        keys = rng.sample(params[name], rng.randint(1, len(params[name])))
+        chosen.append((name, {key: _wild(rng) for key in keys}))
+    return chosen
+
+
+def _fuzz_root(root: Path, rng: random.Random) -> tuple[list[str], list[bytes]]:
+    """Shards (good ones first, then mutated ones) and images with hostile sidecars."""
+    good, jpegs = write_shards(root / "shards", [4, 5, 3])
+    for k in range(MUTATED_SHARDS):
+        source = (root / "shards" / rng.choice(good)).read_bytes()
+        (root / "shards" / f"bad-{k:03d}.tar").write_bytes(_mutated(rng, source))
+    side = root / "side"
+    side.mkdir()
+    for i in range(SIDECAR_SAMPLES):
+        (side / f"s{i:02d}.jpg").write_bytes(jpegs[i % len(jpegs)])
+        if i % 3 == 0:  # every third sample's sidecars are fine
+            (side / f"s{i:02d}.txt").write_text("0 0 4 4 1\n")
+            (side / f"s{i:02d}.json").write_text('{"ok": true}')
+        else:
+            (side / f"s{i:02d}.txt").write_bytes(_sidecar(rng, "txt"))
+            (side / f"s{i:02d}.json").write_bytes(_sidecar(rng, "json"))
+    return good, jpegs
+
+
+def _checked_pass(feed, rng_or_none, **options) -> grpc.StatusCode:
+    """One pass; each delivered shard sample's image is the one its label says (a label
+    never goes with another sample's image), no failure is a server bug. Its status."""
+    jpegs = options.pop("jpegs", None)
+    try:
+        loader = feed.loader(batch_size=4, size=_SIZE, failure_budget=10_000, **options)
+        for batch in loader:
+            if jpegs is not None:
+                for image, label in zip(batch["image"].numpy(), batch["label"].tolist()):
+                    assert psnr(image, _jpeg_reference(jpegs[(label - 1000) // 7])) >= MIN_PSNR_DB
+        assert not [f for f in loader.failures if f.category == "internal"], loader.failures
+    except FeedError as e:
+        return e.code
+    return grpc.StatusCode.OK
+
+
+def _raw_pass(address: str, shard: str, transforms: list) -> grpc.StatusCode:
+    """A whole stream of raw gRPC with ``transforms``' parameters as Python writes them."""
+    request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=[shard]), batch_size=4,
+                                     output=feed_pb2.OutputSpec(height=16, width=16),
+                                     transport=feed_pb2.TRANSPORT_INLINE, max_failures=1000)
+    for name, params in transforms:
+        request.sample_transforms.add(name=name, params_json=json.dumps(params))
+    with grpc.insecure_channel(address) as channel:
+        call = feed_pb2_grpc.FeedStub(channel).Stream(
+            iter([feed_pb2.ClientMessage(open=request)]), timeout=60)
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass
+        return call.code()
+
+
+def _jpeg_reference(jpeg: bytes) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(jpeg)) as im:
+        return np.asarray(im.convert("RGB").resize(_SIZE[::-1], Image.BILINEAR)).transpose(2, 0, 1)
+
+
+@pytest.mark.timeout(180)  # a hang fails here, not at the suite's 300 s
+def test_fuzzed_shards_sidecars_and_parameters_leave_the_server_serving(tmp_path):
+    rng = random.Random(SURFACE_SEED)
+    good, jpegs = _fuzz_root(tmp_path, rng)
+    bad = [f"bad-{k:03d}.tar" for k in range(MUTATED_SHARDS)]
+    args = ["--data-root", str(tmp_path), "--threads", "2", "--max-streams", "8"]
+    with ServerProcess(args) as server, FeedClient(server.address) as feed:
+        prefix = shm_prefix(server.address)
+        exact = dict(files=[f"shards/{name}" for name in good], jpegs=jpegs)
+        assert _checked_pass(feed, None, **exact) == grpc.StatusCode.OK  # warm: then RSS
+        before = status_mb(server.proc.pid)
+        codes = []
+        for k in range(0, MUTATED_SHARDS, 2):  # two mutated shards beside a good one
+            names = [good[k % len(good)], bad[k], bad[k + 1]]
+            codes.append(_checked_pass(feed, None, files=[f"shards/{n}" for n in names],
+                                       jpegs=jpegs, shuffle=k % 4 == 0, seed=k))
+        fields = {"boxes": Field(".txt", max_items=8), "meta": Field(".json", max_items=512)}
+        for seed in range(3):
+            codes.append(_checked_pass(feed, None, files="side/", fields=fields, seed=seed,
+                                       resize="random_resized_crop", flip=0.5))
+        for k in range(PARAM_CALLS):
+            transforms = _wild_transforms(rng)
+            if k % 2:  # as JSON text the client library would not send (NaN, Infinity)
+                codes.append(_raw_pass(server.address, f"shards/{good[0]}", transforms))
+                continue
+            try:
+                codes.append(_checked_pass(feed, None, files=[f"shards/{good[0]}"],
+                                           transforms=transforms))
+            except (ValueError, TypeError):  # refused by the client before it is sent
+                codes.append(grpc.StatusCode.INVALID_ARGUMENT)
+        assert set(codes) <= _SURFACE_ALLOWED, set(codes) - _SURFACE_ALLOWED
+        assert grpc.StatusCode.OK in codes and grpc.StatusCode.INVALID_ARGUMENT in codes
+        # Then: serving, a normal pass exact, nothing left in /dev/shm, memory back.
+        with grpc.insecure_channel(server.address) as channel:
+            assert health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        assert _checked_pass(feed, None, **exact) == grpc.StatusCode.OK
+        assert wait_until(lambda: not stream_segments(prefix))
+        assert status_mb(server.proc.pid) - before < 150  # MB
+    assert not [line for line in server.log if "Traceback" in line], "".join(server.log)
