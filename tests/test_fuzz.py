@@ -235,7 +235,7 @@ def _mutated(rng: random.Random, good: bytes) -> bytes:
     elif kind == 2:  # a wrong checksum
         data[at + 148:at + 156] = b"%06o\0 " % rng.randrange(1 << 18)
     elif kind == 3:  # a pax header whose records lie, before a member
-        records = rng.choice([b"13 size=-512\n", b"16 size=-100000\n", b"9 size=9\n",
+        records = rng.choice([b"13 size=-512\n", b"14 size=-1536\n", b"9 size=9\n",
                               b"12 size=1e9\n", b"30 path=" + b"a" * 22 + b"\n",
                               b"999999 path=x\n", b"1 \n", rng.randbytes(rng.randint(1, 300))])
         data[at:at] = _pax_header(records)
