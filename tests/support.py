@@ -50,6 +50,14 @@ def status_mb(pid: int, field: str = "VmRSS") -> float:
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
+def reset_peak_mb(pid: int) -> float:
+    """Start process ``pid``'s peak memory (VmHWM) afresh (Linux: "5" to clear_refs); its
+    memory now, in MB: what the peak after is compared with."""
+    with open(f"/proc/{pid}/clear_refs", "w") as clear:
+        clear.write("5")
+    return status_mb(pid)
+
+
 def wait_until(condition, timeout: float = 20.0) -> bool:
     """Poll ``condition`` until it holds or ``timeout`` passes; its last value."""
     deadline = time.monotonic() + timeout

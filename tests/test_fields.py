@@ -25,7 +25,7 @@ from gpufeed.server.media.decode import DecodeError, OverLimit, SourceWindow
 from gpufeed.server.media.fields import SampleFields, Sidecar
 from gpufeed.server.media.output import OutputTransform, sample_draws
 from gpufeed.v1 import feed_pb2
-from support import psnr, status_mb
+from support import psnr, reset_peak_mb, status_mb
 
 SIZE = (40, 48)
 SEED, EPOCH = 5, 1
@@ -326,14 +326,6 @@ def test_a_saved_position_belongs_to_its_fields(feed, field_root):
         without.load_state_dict(with_fields.state_dict())
 
 
-def _reset_peak(pid: int) -> float:
-    """Start process ``pid``'s peak memory (VmHWM) afresh (Linux: "5" to clear_refs); its
-    memory now, in MB: what the peak after is compared with."""
-    with open(f"/proc/{pid}/clear_refs", "w") as clear:
-        clear.write("5")
-    return status_mb(pid)
-
-
 def _still_exact(feed, field_root) -> None:
     """Info answers, and a pass of the good samples is exact: every sample once, each mask
     and boxes equal to the reference."""
@@ -380,7 +372,7 @@ def test_sidecars_over_their_bound_fail_alone_before_they_are_read(server, feed,
     (images / "h03.json").write_text("[" * 2000 + "]" * 2000)  # under 4096 bytes
     (images / "h04.json").write_text("[" * 100_000 + "]" * 100_000)
     (images / "h05.json").write_text("[" * 40 + "]" * 40)
-    before = _reset_peak(server.proc.pid)
+    before = reset_peak_mb(server.proc.pid)
     indices, failures = _pass(feed, "fields_bounds/images/train/", FIELDS, names, root)
     assert status_mb(server.proc.pid, "VmHWM") - before < 100  # MB: 2M boxes are never parsed
     assert indices == [0, 6, 7] and sorted(failures) == [1, 2, 3, 4, 5]
@@ -418,7 +410,7 @@ def test_a_json_box_list_is_bounded_before_it_is_parsed(server, feed, data_dir, 
     (labels / "j03.json").write_text("[" * 40 + "]" * 40)
     (labels / "j04.json").write_text("[[1, 2, 3, 4, 5]")
     fields = {**FIELDS, "boxes": Field(".json", tree=("images", "labels"), max_items=8)}
-    before = _reset_peak(server.proc.pid)
+    before = reset_peak_mb(server.proc.pid)
     indices, failures = _pass(feed, "fields_json_bounds/images/train/", fields, names, root)
     assert status_mb(server.proc.pid, "VmHWM") - before < 100  # MB, at its peak
     assert indices == [0, 5, 6] and sorted(failures) == [1, 2, 3, 4]

@@ -10,21 +10,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpufeed.client import FeedError
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
-from support import status_mb
+from support import reset_peak_mb, status_mb
 
 N = 16
 SIZE = 32
 # What the server's memory may grow by while it refuses a request: a small multiple of
 # anything a refused request's parsing needs, far under what the unbounded ones took (GBs).
 MAX_GROWTH_MB = 100
-
-
-def _reset_peak(pid: int) -> float:
-    """Start process ``pid``'s peak memory (VmHWM) afresh (Linux: "5" to clear_refs); its
-    memory now, in MB: what the peak after is compared with."""
-    with open(f"/proc/{pid}/clear_refs", "w") as clear:
-        clear.write("5")
-    return status_mb(pid)
 
 
 def _images(loader) -> dict[int, object]:
@@ -97,7 +89,7 @@ def test_millions_of_magnitude_bins_are_refused_before_anything_is_allocated(ser
     """A 100-byte request asking for 3,000,000 bins is refused at open; the server's
     memory does not grow, and it serves others exactly as before."""
     reference = _images(_loader(feed, image_names, ["trivial_augment_wide"]))
-    before = _reset_peak(server.proc.pid)
+    before = reset_peak_mb(server.proc.pid)
     with pytest.raises(FeedError) as refused:
         _loader(feed, image_names, [("trivial_augment_wide", {"num_magnitude_bins": 3_000_000})])
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -22,11 +22,11 @@ import pytest
 from PIL import Image
 
 from bench.seaweed import SeaweedS3, weed_binary
-from gpufeed.client import FeedClient, FeedError
+from gpufeed.client import FeedClient, FeedError, Field
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
 from shards import corrupt_shard, cut_shard, label_of, shard_bytes
-from support import MIN_PSNR_DB, psnr, wait_until
+from support import MIN_PSNR_DB, psnr, reset_peak_mb, status_mb, wait_until
 
 pytest.importorskip("boto3")
 pytestmark = pytest.mark.skipif(weed_binary() is None,
@@ -484,3 +484,21 @@ def test_a_stalled_read_fails_its_samples_as_timeouts_and_the_pass_goes_on(s3):
             assert _checked_pass(s3, feed, [SHARDS]) == list(range(sum(COUNTS)))
     finally:
         proxy.close()
+
+
+def test_a_sidecar_object_over_its_bound_is_refused_unread(s3):
+    """A boxes sidecar is bounded by its field's max_items; an S3 object over that bound
+    fails its sample without its body being read: 300 MB never reach the server's memory."""
+    client = s3.client()
+    for i, sidecar in enumerate([b"0 0 1 1 0\n" * 30_000_000, b"0 0 4 4 1\n"]):
+        client.put_object(Bucket="data", Key=f"train/sidecars/{i}.jpg", Body=s3.loose[i])
+        client.put_object(Bucket="data", Key=f"train/sidecars/{i}.txt", Body=sidecar)
+    with _server(s3) as server, FeedClient(server.address) as feed:
+        before = reset_peak_mb(server.proc.pid)
+        loader = feed.loader(["s3://data/train/sidecars/0.jpg", "s3://data/train/sidecars/1.jpg"],
+                             batch_size=2, size=SIZE, fields={"boxes": Field(".txt", max_items=8)},
+                             failure_budget=1)
+        assert [i for b in loader for i in b["index"].tolist()] == [1]
+        (failure,) = loader.failures
+        assert failure.index == 0 and failure.category == "too_large", failure
+        assert status_mb(server.proc.pid, "VmHWM") - before < 100  # MB

@@ -35,6 +35,7 @@ saying so.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
@@ -184,11 +185,8 @@ class Storage:
         """The whole file or object; FileTooLarge past ``max_bytes`` (``max_file_bytes``)."""
         started = time.perf_counter()
         if is_s3(path):
-            data = self._get(path)
             limit = self.max_file_bytes if max_bytes is None else max_bytes
-            if len(data) > limit:
-                raise FileTooLarge(f"object of {len(data)} bytes, over the limit of {limit} "
-                                   f"(gpufeed-server {flag})")
+            data = self._get_at_most(path, limit, flag)
         else:
             data = self._local_roots(path).read(path, max_bytes, flag)
         self._observe(path, len(data), started)
@@ -327,6 +325,21 @@ class Storage:
                 return reply["Body"].read()
         except _PastEnd:
             return b""
+
+    def _get_at_most(self, path: str, limit: int, flag: str) -> bytes:
+        """An object's bytes; FileTooLarge without reading its body when its answer
+        declares more than ``limit`` (a sidecar's bound may be a few KiB, the object
+        a gigabyte), and after at most ``limit + 1`` bytes whatever it declared."""
+        bucket, key = _split_s3(path)
+        with _s3_errors(path):
+            reply = self._client.get_object(Bucket=bucket, Key=key)
+            size = int(reply.get("ContentLength", 0))
+            with contextlib.closing(reply["Body"]) as body:
+                data = body.read(limit + 1) if size <= limit else b""
+        if size > limit or len(data) > limit:
+            raise FileTooLarge(f"object of {max(size, len(data))} bytes, over the limit of "
+                               f"{limit} (gpufeed-server {flag})")
+        return data
 
     def _local_roots(self, path: str) -> DataRoots:
         if self._local is None:
