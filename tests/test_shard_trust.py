@@ -22,13 +22,13 @@ import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from gpufeed.client import FeedClient, FeedError
+from gpufeed.client import FeedClient, FeedError, metadata
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
 from gpufeed.server.storage.roots import Storage
 from gpufeed.server.storage.shards import IndexCancelled, ShardSet, TooManySamples
 from shards import label_of
-from support import MIN_PSNR_DB, psnr
+from support import MIN_PSNR_DB, psnr, reset_peak_mb, status_mb
 
 SIZE = (32, 40)
 _END = bytes(1024)  # the end-of-archive blocks
@@ -318,3 +318,27 @@ def test_a_cancelled_index_stops_within_a_few_thousand_headers(many):
     with pytest.raises(IndexCancelled):
         ShardSet.index(storage, [str(path)] * 20, cancelled=lambda: True)
     assert _index_bytes(registry) == read
+
+
+def test_a_field_member_over_its_bound_fails_its_sample_unread(tmp_path):
+    """A shard sample's metadata member larger than its field's max_items fails that sample
+    (too_large) before the member is read: 300 MB never reach the server's memory."""
+    big = b'{"caption": "' + b"x" * 300_000_000 + b'"}'
+    shard = (_member("000000.jpg", _jpeg(0)) + _member("000000.cls", b"1")
+             + _member("000000.json", big)
+             + _member("000001.jpg", _jpeg(1)) + _member("000001.cls", b"2")
+             + _member("000001.json", b'{"caption": "fine"}') + _END)
+    (tmp_path / "meta.tar").write_bytes(shard)
+    del big, shard
+    with ServerProcess(["--data-root", str(tmp_path), "--threads", "2"]) as server, \
+            FeedClient(server.address) as feed:
+        before = reset_peak_mb(server.proc.pid)
+        loader = feed.loader(["meta.tar"], batch_size=2, size=SIZE, fields=["meta"],
+                             failure_budget=1)
+        delivered = [(i, meta) for b in loader for i, meta in zip(b["index"].tolist(),
+                                                                  metadata(b))]
+        assert delivered == [(1, {"caption": "fine"})]
+        (failure,) = loader.failures
+        assert failure.index == 0 and failure.category == "too_large", failure
+        assert "meta: 300000015 bytes, over the 4096 bytes" in failure.reason
+        assert status_mb(server.proc.pid, "VmHWM") - before < 100  # MB

@@ -204,6 +204,13 @@ class SampleFields:
             return self.max_items[BOXES] * self._box_bytes() + _HEADER_BYTES
         return self.max_items[META] if name == META else None
 
+    def check_size(self, name: str, size: int) -> None:
+        """OverLimit when field ``name``'s file of ``size`` bytes is larger than the field
+        may take (a tar shard's member is checked so before it is read)."""
+        limit = self.max_bytes(name)
+        if limit is not None and size > limit:
+            raise OverLimit(f"{name}: {size} bytes, over {self._bound(name)}")
+
     def _box_bytes(self) -> int:
         return _JSON_BOX_BYTES if _is_json(self.sidecars[BOXES]) else _TEXT_BOX_BYTES
 
@@ -221,9 +228,7 @@ class SampleFields:
         members)."""
         sample: Sample = {"image": image}
         for name, data in files.items():
-            limit = self.max_bytes(name)
-            if limit is not None and len(data) > limit:  # a shard's member: checked here
-                raise OverLimit(f"{name}: {len(data)} bytes, over {self._bound(name)}")
+            self.check_size(name, len(data))
             if name == MASK:
                 sample[MASK] = self._mask(data, window, flip, max_pixels)
             elif name == BOXES:

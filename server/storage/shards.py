@@ -613,6 +613,7 @@ class ShardRows(RowReader):
             offsets, sizes = shard_index.others.get(suffix, _NONE)
             if n >= len(offsets) or offsets[n] < 0:
                 raise DecodeError(f"{name}: sample {n} has no .{suffix} member")
+            self.fields.check_size(name, int(sizes[n]))  # before a byte of it is read
             members.append((int(offsets[n]), int(sizes[n])))
         if len(members) == 1:
             return shard, self.shards.paths[shard], members, image, image + members[0][1]
