@@ -41,6 +41,8 @@ import torch
 from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import BFLOAT16, carrier_dtype
 
+from .checks import check_slot, check_tensors, data_loss
+
 __all__ = ["BatchReader", "HeldSlots", "Release", "SharedSlots", "owned", "slot_tensors"]
 
 Release = Callable[[int], None]  # gives batch seq's slot back to the server
@@ -73,7 +75,10 @@ class BatchReader(Protocol):
 
 
 def slot_tensors(slot: torch.UntypedStorage, metas) -> dict[str, torch.Tensor]:
-    """The batch's tensors, by name: views of ``slot`` (a slot's bytes, on any device)."""
+    """The batch's tensors, by name: views of ``slot`` (a slot's bytes, on any device).
+
+    ``metas`` (TensorMetas, or the Places ``checks.check_tensors`` gives for them)
+    must have passed ``check_tensors`` against the slot's size."""
     out = {}
     for meta in metas:
         dtype = _torch_dtype(meta.dtype)
@@ -104,26 +109,29 @@ def _torch_dtype(name: str) -> torch.dtype:
 class HeldSlots:
     """The zero-copy batches the trainer still holds, oldest first.
 
-    Each is held with a test of whether the trainer still refers to it and a
-    function that gives its slot back (once). ``make_room`` gives back the
+    Each is held with its slot, a test of whether the trainer still refers to it
+    and a function that gives its slot back (once). ``make_room`` gives back the
     batches nobody refers to any more. ``has_room`` says whether a new batch may
     stay a view: not when the held ones take all slots but one, since then the
     server could never send another batch while the trainer keeps them.
+    ``check_free`` refuses a batch in a slot the trainer still refers to: the
+    server has written over a batch the trainer holds.
     """
 
     def __init__(self, num_slots: int):
         self._num_slots = num_slots
-        self._held: collections.deque[tuple[Callable[[], bool], Callable[[], None]]] = \
+        self._held: collections.deque[tuple[int, Callable[[], bool], Callable[[], None]]] = \
             collections.deque()
 
-    def hold(self, in_use: Callable[[], bool], give_back: Callable[[], None]) -> None:
-        self._held.append((in_use, give_back))
+    def hold(self, slot: int, in_use: Callable[[], bool], give_back: Callable[[], None]) -> None:
+        self._held.append((slot, in_use, give_back))
 
     def make_room(self) -> None:
         still_held = collections.deque()
-        for in_use, give_back in self._held:
+        for held in self._held:
+            _, in_use, give_back = held
             if in_use():
-                still_held.append((in_use, give_back))
+                still_held.append(held)
             else:
                 give_back()
         self._held = still_held
@@ -131,6 +139,13 @@ class HeldSlots:
     def has_room(self) -> bool:
         self.make_room()
         return len(self._held) < self._num_slots - 1
+
+    def check_free(self, batch: feed_pb2.Batch) -> None:
+        # A batch the trainer has just dropped may still be listed: in_use says.
+        for slot, in_use, _ in self._held:
+            if slot == batch.slot and in_use():
+                raise data_loss(f"the server sent batch {batch.seq} in slot {slot}, which "
+                                f"holds a batch the trainer has not released")
 
 
 class SharedSlots:
@@ -147,6 +162,7 @@ class SharedSlots:
     def __init__(self, storage: torch.UntypedStorage, num_slots: int, slot_bytes: int,
                  copy: bool):
         self._storage = storage
+        self._num_slots = num_slots
         self._slot_bytes = slot_bytes
         self._copy = copy
         self._held = HeldSlots(num_slots)
@@ -154,14 +170,17 @@ class SharedSlots:
 
     def tensors(self, batch: feed_pb2.Batch,
                 give_back: Callable[[], None]) -> dict[str, torch.Tensor]:
+        check_slot(batch, self._num_slots)
+        self._held.check_free(batch)
+        places = check_tensors(batch.tensors, self._slot_bytes, f"its {self._slot_bytes}-byte slot")
         start = batch.slot * self._slot_bytes
         slot = self._storage[start:start + self._slot_bytes]  # a storage of its own, aliased
-        tensors = slot_tensors(slot, batch.tensors)
+        tensors = slot_tensors(slot, places)
         if self._copy or not self._held.has_room():
             tensors = owned(tensors)
             give_back()
         else:
-            self._held.hold(lambda: _storage_in_use(slot), give_back)
+            self._held.hold(batch.slot, lambda: _storage_in_use(slot), give_back)
         return tensors
 
 

@@ -31,6 +31,7 @@ import torch
 from gpufeed.v1 import feed_pb2
 
 from .batches import Release, SharedSlots
+from .checks import check_slot
 from .errors import FeedError
 
 __all__ = ["CudaBatches", "local_device"]
@@ -88,6 +89,7 @@ class CudaBatches:
     def tensors(self, batch: feed_pb2.Batch) -> dict[str, torch.Tensor]:
         """The batch's tensors, ready on the current stream; the slot is released by the
         watcher thread, after the trainer's kernels (a copy's too)."""
+        check_slot(batch, len(self._ready))  # before it picks the slot's event
         stream = torch.cuda.current_stream(self.device)  # the batch is ready on this one
         stream.wait_event(self._ready[batch.slot])
         seq = batch.seq

@@ -15,9 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
+
+from .checks import OFFSETS, check_offsets
 
 __all__ = ["Field", "field_specs", "metadata", "split"]
 
@@ -59,9 +62,11 @@ def field_specs(fields: Mapping[str, Field | str] | Sequence[str] | None
 
 def split(batch: Mapping[str, torch.Tensor], name: str) -> list[torch.Tensor]:
     """A variable-length field per sample: ``batch[name]`` cut at ``batch[name + "_offsets"]``
-    (views, one per row of the batch)."""
-    offsets = batch[f"{name}_offsets"].tolist()
+    (views, one per row of the batch). FeedError (DATA_LOSS) if the offsets do not cut
+    it: checked again here, as the server may rewrite a zero-copy batch's memory."""
+    offsets = batch[name + OFFSETS].tolist()
     flat = batch[name]
+    check_offsets(name + OFFSETS, np.array(offsets, np.int64), len(flat))
     return [flat[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
 
 

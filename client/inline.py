@@ -8,8 +8,15 @@ other field with protobuf, and keeps ``data`` as a view of the received
 bytes: the batch's tensors are views of it too (``InlineBatches``).
 
 Messages without ``data`` (the header, zero-copy batches) are parsed as usual.
+Bytes that are not a ServerMessage parse to ``checks.Unparsable``, which the
+stream raises as DATA_LOSS (a deserializer that raised would have gRPC end the
+call with INTERNAL).
 
-``InlineBatches`` is the inline transport's ``BatchReader`` (batches.py).
+``InlineBatches`` is the inline transport's ``BatchReader`` (batches.py). The
+header's ``slot_bytes`` bounds a batch's data: compressed data is
+decompressed no further than that (a frame declaring more is refused before
+anything is allocated), and every tensor must lie within the data received
+(checks.py).
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ from collections.abc import Callable
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from gpufeed.v1 import feed_pb2
 
 from .batches import Release, slot_tensors
+from .checks import Unparsable, check_tensors, data_loss
 from .errors import FeedError
 from .malloc import keep_large_buffers
 
@@ -31,21 +40,63 @@ __all__ = ["DECOMPRESSORS", "InlineBatches", "ReceivedBatch", "parse"]
 _BATCH_FIELD = 2  # ServerMessage.batch
 _DATA_FIELD = 4  # Batch.data
 _LENGTH_DELIMITED = 2
+_MAX_VARINT_BYTES = 10  # a 64-bit value's
 
 
 def _zstd():
     import zstandard
 
-    return zstandard.ZstdDecompressor().decompress  # the size is in the frame
+    decompressor = zstandard.ZstdDecompressor()
+
+    def decompress(data, limit: int) -> bytes:
+        # decompress() allocates the size a frame declares, whatever max_output_size
+        # says; max_output_size bounds only a frame that declares none.
+        try:
+            declared = zstandard.frame_content_size(data)
+        except zstandard.ZstdError as e:
+            raise data_loss(f"the server sent zstd data without a frame header ({e})") from None
+        if declared > limit:
+            raise data_loss(f"the server sent a zstd frame of {declared} bytes for its "
+                            f"{limit}-byte slot")
+        try:
+            return decompressor.decompress(data, max_output_size=limit, allow_extra_data=False)
+        except zstandard.ZstdError as e:
+            raise data_loss(f"the server sent zstd data that does not decompress within its "
+                            f"{limit}-byte slot ({e})") from None
+
+    return decompress
 
 
 def _lz4():
     import lz4.frame
 
-    return lz4.frame.decompress
+    def decompress(data, limit: int) -> bytes:
+        # lz4.frame.decompress has no bound: the frame's declared size is checked
+        # first, then at most `limit` bytes are decompressed, whatever it declared.
+        decompressor = lz4.frame.LZ4FrameDecompressor()
+        try:  # lz4's errors are RuntimeErrors
+            declared = lz4.frame.get_frame_info(data)["content_size"]  # 0: not declared
+        except RuntimeError as e:
+            raise data_loss(f"the server sent lz4 data without a frame header ({e})") from None
+        if declared > limit:
+            raise data_loss(f"the server sent an lz4 frame of {declared} bytes for its "
+                            f"{limit}-byte slot")
+        try:
+            out = decompressor.decompress(data, max_length=limit)
+        except RuntimeError as e:
+            raise data_loss(f"the server sent lz4 data that does not decompress ({e})") from None
+        if not decompressor.needs_input:  # stopped at the limit with output left
+            raise data_loss(f"the server sent lz4 data that decompresses past its {limit}-byte "
+                            f"slot")
+        if not decompressor.eof or decompressor.unused_data:
+            raise data_loss("the server sent lz4 data that is not one whole frame")
+        return out
+
+    return decompress
 
 
-# Batch.compression -> a factory of functions (compressed buffer -> bytes).
+# Batch.compression -> a factory of functions (compressed buffer, most bytes it may
+# give -> bytes), which raise DATA_LOSS rather than give more.
 DECOMPRESSORS = {"zstd": _zstd, "lz4": _lz4}
 
 
@@ -78,6 +129,8 @@ class _Received:
 def _varint(buffer: memoryview, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
+        if pos >= len(buffer) or shift >= 7 * _MAX_VARINT_BYTES:
+            raise ValueError(f"a varint at byte {pos} runs past the message's end")
         byte = buffer[pos]
         pos += 1
         value |= (byte & 0x7F) << shift
@@ -99,8 +152,15 @@ def _skip(buffer: memoryview, pos: int, wire_type: int) -> int:
     raise ValueError(f"unexpected wire type {wire_type}")
 
 
-def parse(raw: bytes) -> feed_pb2.ServerMessage | _Received:
-    """The Stream method's response deserializer."""
+def parse(raw: bytes) -> feed_pb2.ServerMessage | _Received | Unparsable:
+    """The Stream method's response deserializer (never raises: see Unparsable)."""
+    try:
+        return _parse(raw)
+    except (ValueError, DecodeError) as e:
+        return Unparsable(f"{len(raw)} bytes: {e}")
+
+
+def _parse(raw: bytes) -> feed_pb2.ServerMessage | _Received:
     view = memoryview(raw)
     tag, pos = _varint(view, 0) if raw else (0, 0)
     if tag != (_BATCH_FIELD << 3 | _LENGTH_DELIMITED):
@@ -118,6 +178,8 @@ def parse(raw: bytes) -> feed_pb2.ServerMessage | _Received:
         else:
             pos = _skip(view, pos, tag & 7)
             fields.append(view[start:pos])
+        if pos > len(raw):
+            raise ValueError(f"field {tag >> 3} of the batch runs past the message's end")
     if data is None:
         return feed_pb2.ServerMessage.FromString(raw)
     return _Received(ReceivedBatch(feed_pb2.Batch.FromString(b"".join(fields)), data))
@@ -140,6 +202,9 @@ class InlineBatches:
         self._release = release
         self._copy = copy
         self._decompress: dict[str, Callable] = {}
+        # A batch's data is its slot's arrays, each padded to INLINE_ALIGN: no more
+        # than the slot (whose arrays are padded to SLOT_ALIGN).
+        self._slot_bytes = header.slot_bytes
 
     def make_room(self) -> None:
         pass
@@ -151,7 +216,12 @@ class InlineBatches:
         """The batch's tensors; its slot goes back now (nothing of the server's is held)."""
         data = batch.data  # a view of the message (inline.parse), or bytes
         if batch.compression:
-            data = self._decompressor(batch.compression)(data)
+            data = self._decompressor(batch.compression)(data, self._slot_bytes)
+        elif len(data) > self._slot_bytes:
+            raise data_loss(f"the server sent {len(data)} bytes of data for its "
+                            f"{self._slot_bytes}-byte slot")
+        places = check_tensors(batch.tensors, len(data),
+                               f"the {len(data)} bytes of its batch's data")
         if not data:  # every tensor is empty (frombuffer refuses b"")
             storage = torch.UntypedStorage(0)
         else:
@@ -162,7 +232,7 @@ class InlineBatches:
                 warnings.filterwarnings("ignore", "The given buffer is not writable")
                 storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
         self._release(batch.seq)
-        return slot_tensors(storage, batch.tensors)
+        return slot_tensors(storage, places)
 
     def _decompressor(self, name: str) -> Callable:
         if name not in self._decompress:

@@ -8,6 +8,10 @@ waited for it. The reader decides when a slot goes back: a slot it gives back
 while the stream reads that batch (owned tensors) rides on that batch's
 Release; one given back later (a dropped view) gets a Release of its own.
 
+Nothing the server sends is taken on trust (checks.py): the header must fit
+the request, each batch must come in order, and its tensors lie within the
+memory the header declared, or the stream ends with DATA_LOSS.
+
 Opening is separate from reading so that a loader can open its first stream
 when it is made: the server's refusal of the request, and the header's facts
 (classes, batch count), are then known at ``loader(...)``, and the server
@@ -29,6 +33,7 @@ from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import NO_SLOT_MEMORY
 
 from .batches import BatchReader, Release
+from .checks import BatchOrder, check_header, check_rows, expect
 from .connection import Connection
 from .inline import InlineBatches
 from .shm import ShmBatches
@@ -58,8 +63,12 @@ class OpenStream:
         self._reading: tuple[int, int] | None = None
         self._given_back = False
         try:
-            self.header: feed_pb2.StreamHeader = next(self._call).header
+            first = next(self._call, None)
+            expect(first, "header")
             server.answered = True
+            self.header: feed_pb2.StreamHeader = first.header
+            check_header(self.header, request)
+            self._order = BatchOrder(self.header, request)
             self._reader = _batch_reader(self.header, self._release, copy)
             if self._reader.shared:  # mapped or opened: say so
                 self._outbox.put(feed_pb2.ClientMessage(attached=feed_pb2.Attached()))
@@ -81,7 +90,9 @@ class OpenStream:
             waited = time.perf_counter() - waiting
             if message is None:
                 return
+            expect(message, "batch")
             batch = message.batch
+            self._order.check(batch)
             tensors = None
             if batch.tensors:  # else every sample failed: the server sent no rows
                 self._reading, self._given_back = (batch.seq, threading.get_ident()), False
@@ -89,6 +100,7 @@ class OpenStream:
                     tensors = reader.tensors(batch)
                 finally:
                     self._reading = None
+                check_rows(tensors, self.request.batch_size)
             given_back = tensors is None or self._given_back
             self._outbox.put(feed_pb2.ClientMessage(release=feed_pb2.Release(
                 seqs=[batch.seq] if given_back else [], wait_seconds=waited)))
