@@ -204,3 +204,31 @@ def test_the_resize_is_its_formula_to_the_integer(out_size):
             jpeg.resize_rgb(image, out, box, flip)
             want = expected[:, :, ::-1] if flip else expected
             np.testing.assert_array_equal(out, want, err_msg=f"box {box}, flip {flip}")
+
+
+@pytest.mark.parametrize("subsampling", [0, 1, 2], ids=["444", "422", "420"])
+def test_a_window_on_an_imcu_boundary_decodes_as_in_the_whole_image(subsampling):
+    """The fast path decodes only the iMCU columns under a box; chroma upsampling takes a
+    column's colour from its neighbours, so the window keeps a column to spare on each
+    side. At 1:1 every crop, its edges on an iMCU boundary or not, equals that crop of
+    Pillow's decode of the whole image (libjpeg-turbo both), exactly."""
+    from gpufeed.server.media import jpeg
+
+    if not jpeg.AVAILABLE:
+        pytest.skip("the JPEG fast path is not built here")
+    rng = np.random.default_rng(subsampling)
+    for _ in range(12):
+        height, width = int(rng.integers(80, 300)), int(rng.integers(80, 300))
+        data = _encoded(_photo(rng, height, width), "JPEG", quality=90, subsampling=subsampling)
+        with Image.open(io.BytesIO(data)) as im:
+            whole = np.asarray(im.convert("RGB"))
+        for _ in range(8):
+            box_w, box_h = int(rng.integers(8, 64)), int(rng.integers(8, 64))
+            left = 16 * int(rng.integers(0, (width - box_w) // 16 + 1))  # on a boundary
+            if rng.random() < 0.5:  # or its right edge on one
+                left = max(0, (left + box_w) // 16 * 16 - box_w)
+            top = int(rng.integers(0, height - box_h + 1))
+            out = np.zeros((3, box_h, box_w), np.uint8)
+            jpeg.decode_crop(data, out, (top, left, box_h, box_w))
+            want = whole[top:top + box_h, left:left + box_w].transpose(2, 0, 1)
+            assert np.array_equal(out, want), (width, height, left, top, box_w, box_h)

@@ -528,7 +528,15 @@ static int run_decode(job_t *job)
         JDIMENSION y0 = (JDIMENSION)ys->lo[0];
         JDIMENSION y1 = (JDIMENSION)(ys->lo[ys->out - 1] + ys->n[ys->out - 1]);
         size_t stride;
-        /* widens the window to whole iMCU columns; x0 moves left to the boundary */
+        /* One more column each side, then jpeg_crop_scanline widens the window to whole
+         * iMCU columns (x0 moves left to the boundary). Fancy upsampling takes a
+         * column's chroma from its neighbours, and libjpeg treats the window's edge as
+         * the image's: a box starting or ending on an iMCU boundary had its edge column
+         * up to 40 levels off the full image's. The extra column puts the neighbouring
+         * iMCU in the window, so every column of the box decodes as in the full image. */
+        JDIMENSION end = x0 + cols + 1 < cinfo.output_width ? x0 + cols + 1 : cinfo.output_width;
+        x0 = x0 > 0 ? x0 - 1 : 0;
+        cols = end - x0;
         if (cols < cinfo.output_width)
             jpeg_crop_scanline(&cinfo, &x0, &cols);
         stride = (size_t)cinfo.output_width * 3;
