@@ -385,21 +385,3 @@ def test_the_healthcheck_probes_a_live_server_and_a_dead_one(compose_server, tmp
     dead = subprocess.run([*probe[:2], f"127.0.0.1:{_free_port()}"], capture_output=True,
                           text=True, timeout=60)
     assert dead.returncode == 1 and "unhealthy" in dead.stderr, shlex.join(probe)
-
-
-def test_kubernetes_daemonset_runs_the_server_cli(tmp_path):
-    """The DaemonSet's arguments are ones gpufeed-server accepts, with ports that match."""
-    manifest = yaml.safe_load((_ROOT / "docker/kubernetes/daemonset.yaml").read_text())
-    pod = manifest["spec"]["template"]["spec"]
-    assert pod["hostIPC"] and pod["hostPID"]  # same-host transports need both
-    (container,) = pod["containers"]
-    args = container["args"]
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert args[args.index("--listen") + 1].endswith(f":{ports['grpc']}")
-    assert args[args.index("--metrics-port") + 1] == str(ports["metrics"])
-    assert container["readinessProbe"]["grpc"]["service"] == "gpufeed.v1.Feed"
-    from gpufeed.server.__main__ import _parser
-
-    data = args.index("--data-root") + 1
-    parsed = _parser().parse_args([*args[:data], str(tmp_path), *args[data + 1:]])
-    assert parsed.device == "cuda:0" and parsed.data_root == [str(tmp_path)]
