@@ -16,10 +16,10 @@ Needs grpcio, protobuf, numpy and torch only (no PyAV, no prometheus-client).
 from .errors import FeedError
 from .failures import SampleFailure
 from .feed import FeedClient
-from .fields import Field, metadata, split
+from .fields import Field, metadata, names, split
 from .loader import Loader
 from .mixing import cutmix, mixup
 from .output import Output
 
 __all__ = ["FeedClient", "FeedError", "Field", "Loader", "Output", "SampleFailure", "cutmix",
-           "metadata", "mixup", "split"]
+           "metadata", "mixup", "names", "split"]

@@ -43,12 +43,23 @@ def _sample_transforms(transforms: Sequence[str | tuple[str, dict]]
             raise ValueError(f"transforms[{i}] must be a name or (name, dict of parameters), "
                              f"got {item!r}")
         try:
-            text = json.dumps(params, allow_nan=False, sort_keys=True) if params else ""
+            text = json.dumps(params, allow_nan=False, sort_keys=True,
+                              default=_json_value) if params else ""
         except (TypeError, ValueError) as e:
             raise ValueError(f"transforms[{i}] {name!r}: parameters must be JSON values: "
                              f"{e}") from None
         specs.append(feed_pb2.SampleTransform(name=name, params_json=text))
     return specs
+
+
+def _json_value(value: Any) -> Any:
+    """What ``json`` does not know, as the JSON it stands for: numpy scalars and arrays
+    (and tensors), by their ``tolist()``, as numbers and lists. What that gives is
+    encoded as any value is: a NaN or infinity is still refused."""
+    tolist = getattr(value, "tolist", None)
+    if not callable(tolist):
+        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+    return tolist()
 
 
 class FeedClient:
@@ -96,7 +107,7 @@ class FeedClient:
                compression: str = "", failure_budget: int | float = 0,
                reconnect_timeout: float = 30.0, job: str = "",
                fields: Mapping[str, Field | str] | Sequence[str] | None = None,
-               transforms: Sequence[str | tuple[str, dict]] = (),
+               transforms: Sequence[str | tuple[str, dict]] = (), names: bool = False,
                **output_fields: Any) -> Loader:
         """A loader: an iterable of batches, each pass one epoch of ``files``.
 
@@ -119,13 +130,16 @@ class FeedClient:
             prefix: prepended to every file; a ``Path`` prefix is a directory
                 (``prefix / name``), a ``str`` prefix is prepended as it is.
             labels: one int per file; "list_file" (the list file's lines are
-                ``path<TAB>label``); or "folder" (each file's class folder is
-                its class, numbered as ImageFolder does).
+                ``path<TAB>label``, or ``path label`` with the label the last
+                word); or "folder" (each file's class folder is its class,
+                numbered as ImageFolder does).
             classes: the folder labels' class names, in order; else the sorted
                 subdirectories of the dataset directory (``loader.classes``).
             shuffle, seed: a new order each epoch, from (seed, epoch).
-            epoch: the first pass's epoch; each new pass is the next epoch
-                unless ``set_epoch`` or ``load_state_dict`` chose one.
+            epoch: the first pass's epoch; a pass goes on from where the last
+                one stopped, and after an epoch's last batch the next pass is
+                the next epoch, unless ``set_epoch`` or ``load_state_dict``
+                chose one (loader.py).
             rank, world_size: this trainer's part of the data set; every rank
                 gets as many batches (repeats marked in ``padded``).
             drop_last: leave out a last, short batch.
@@ -154,7 +168,13 @@ class FeedClient:
                 installed by its operator with ``--plugins``), run in order on
                 each decoded image: names, or ``(name, {parameter: JSON
                 value})`` pairs, e.g. ``[("color_jitter", {"brightness": 0.4}),
-                "trivial_augment_wide"]``.
+                "trivial_augment_wide"]``; numpy scalars and arrays are sent as
+                numbers and lists.
+            names: each batch also carries its samples' names (``names`` uint8
+                and ``names_offsets``; ``gpufeed.client.names(batch)`` gives a
+                list of str): a file's path relative to its data root,
+                ``shard/key`` for a tar sample, an S3 object's ``s3://`` URL.
+                Off by default, so that batches carry no more than asked for.
             **output_fields: ``Output``'s fields as flat keywords.
 
         Raises:
@@ -177,7 +197,7 @@ class FeedClient:
             drop_last=drop_last, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank,
             world_size=world_size, transport=_TRANSPORTS[transport], prefetch=prefetch, job=job,
             compression=compression, fields=field_specs(fields),
-            sample_transforms=_sample_transforms(transforms))
+            sample_transforms=_sample_transforms(transforms), names=names)
         if isinstance(failure_budget, float) and 0 < failure_budget < 1:
             request.max_failure_fraction = failure_budget
         elif isinstance(failure_budget, int) and failure_budget >= 0:

@@ -5,7 +5,8 @@ sample, each from a sidecar file (README, "Samples with several fields").
 Each field is a tensor of the batch; the variable-length ones are flat with
 offsets (``boxes`` float32 [N, 5] and ``boxes_offsets`` int64 [B + 1];
 ``meta`` uint8 [M] and ``meta_offsets``), which ``split`` and ``metadata``
-turn into one entry per sample.
+turn into one entry per sample. ``loader(..., names=True)``'s sample names
+travel the same way (``names`` uint8 [M], ``names_offsets``), read by ``names``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from gpufeed.v1 import feed_pb2
 
 from .checks import OFFSETS, check_offsets
 
-__all__ = ["Field", "field_specs", "metadata", "split"]
+__all__ = ["Field", "field_specs", "metadata", "names", "split"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +74,22 @@ def split(batch: Mapping[str, torch.Tensor], name: str) -> list[torch.Tensor]:
 def metadata(batch: Mapping[str, torch.Tensor]) -> list[Any]:
     """Each sample's ``meta`` sidecar, parsed from its JSON."""
     return [json.loads(bytes(values.cpu().numpy())) for values in split(batch, "meta")]
+
+
+def names(batch: Mapping[str, torch.Tensor]) -> list[str]:
+    """Each sample's name, in row order (``loader(..., names=True)``): a file's path
+    relative to its data root, ``shard/key`` for a tar sample, an S3 object's URL.
+
+    Bytes that are not UTF-8 (a file or tar member named so) come back as
+    surrogates, as ``os.fsdecode`` gives them: ``name.encode("utf-8",
+    "surrogateescape")`` is the name's bytes. KeyError, saying so, for a batch of
+    a loader that did not ask for names; FeedError (DATA_LOSS) if the offsets do
+    not cut the names.
+    """
+    if "names" not in batch:
+        raise KeyError("names: this batch carries no names; ask loader(..., names=True)")
+    offsets = batch["names" + OFFSETS].cpu().numpy().copy()  # the server may rewrite shm
+    flat = batch["names"].cpu().numpy().tobytes()
+    check_offsets("names" + OFFSETS, offsets, len(flat))
+    return [flat[start:end].decode("utf-8", "surrogateescape")
+            for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist())]

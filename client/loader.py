@@ -13,11 +13,21 @@ fails at ``loader(...)`` and the header's facts (``classes``, ``len``) are
 known before the first batch. A server that has never answered fails it
 within the connect timeout.
 
-Epochs: each new pass (a new ``iter(loader)``) is the next epoch unless
-``set_epoch`` or ``load_state_dict`` chose the pass (the first pass is the
-``epoch`` the loader was made with): frameworks that never call ``set_epoch``
-(Lightning, Accelerate with a loader that is not a DataLoader) still get a
-new order and new random crops every epoch.
+Epochs and passes: the loader is a position in a sequence of epochs, and a
+pass (an ``iter(loader)``) takes batches from that position. A pass that
+delivers its epoch's last batch ends it: the next pass is the next epoch, so
+a loop that never calls ``set_epoch`` (Accelerate, with a loader that is not a
+DataLoader) still gets a new order and new random crops every epoch. A pass
+left early (a ``break``, an exception, a peek with ``next(iter(loader))``) only
+stops taking: the next pass continues that epoch where it stopped, and
+``state_dict()`` says so, so a loader restored from it does what this one
+would. ``set_epoch(e)`` (directly, or through ``loader.sampler.set_epoch``, where
+Lightning calls it) starts epoch ``e`` from its start, as DistributedSampler's
+does, unless ``load_state_dict`` has just placed the loader inside ``e``. The
+state never depends on when Python finalises an abandoned iterator: only the
+newest pass may be iterated (an older one raises), and leaving one changes
+nothing but its streams. ``loader.epoch`` is the epoch of the pass in progress,
+or of the next one.
 
 The loader knows its position (batches consumed in the current epoch). When a
 stream breaks with UNAVAILABLE (server restarted or draining, or it ended a
@@ -25,7 +35,8 @@ stream the trainer left idle past its lease timeout), the loader reconnects
 with bounded backoff and reopens at that position, so the pass neither loses
 nor repeats a sample; it gives up after ``reconnect_timeout`` seconds without
 progress. ``state_dict()`` records the same position, in samples of the pass,
-with a fingerprint of the request (fingerprint.py) for a restarted trainer.
+with a fingerprint of the request (fingerprint.py) for a restarted trainer,
+which may run another number of ranks (resume.py: the epoch goes on over them).
 
 With several servers, the pass's batches are dealt out in turn: server p of P
 serves batches p, p + P, p + 2P, ... (the request's batch_stride and
@@ -53,6 +64,7 @@ from .connection import Connection
 from .errors import FeedError
 from .failures import SampleFailure
 from .fingerprint import check_fingerprint, request_fingerprint
+from .resume import Position
 from .stream import OpenStream, open_stream
 
 __all__ = ["Loader"]
@@ -83,12 +95,30 @@ class _Outage:
         self.backoff, self.tried = 0.05, 0
 
 
+class _EpochSampler:
+    """``loader.sampler``: the object a DataLoader's users and frameworks call
+    ``set_epoch`` on (Lightning: ``dataloader.sampler.set_epoch(epoch)`` before each
+    training epoch, evaluation too), so that a run resumed from an end-of-epoch
+    checkpoint, which Lightning restores without ``load_state_dict``, gets its
+    epoch's order and not the first run's."""
+
+    def __init__(self, loader: Loader):
+        self._loader = loader
+
+    @property
+    def epoch(self) -> int:
+        return self._loader.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+
 class Loader:
     """An iterable of batches (``dict[str, torch.Tensor]``) over one or more servers.
 
     Made by ``FeedClient.loader`` with the servers' ``Connection``s and the
-    checked request. Each ``iter(loader)`` is one pass: an epoch, the next
-    unless ``set_epoch`` or ``load_state_dict`` chose it. The loader keeps the
+    checked request. Each ``iter(loader)`` is one pass: from the loader's
+    position to its epoch's end (the module docstring). The loader keeps the
     pass's position (batches yielded, per server part), interleaves the parts
     in the pass's order, and moves a part to another server, at its position,
     when its stream breaks with UNAVAILABLE. What a stream is on the wire
@@ -105,14 +135,19 @@ class Loader:
         self._reconnect_timeout = reconnect_timeout
         self._fingerprint = request_fingerprint(request)
         self._parts = [_Part(i) for i in range(len(servers))]
-        # The next pass's epoch and position were chosen (by the constructor,
-        # set_epoch or load_state_dict); else a new pass is the next epoch.
+        self._world_size = request.world_size or 1
+        # The epoch's earlier phases when it was resumed at another world size (resume.py).
+        self._phases: tuple[tuple[int, int], ...] = ()
+        # The next pass's start was chosen (by the constructor, set_epoch, load_state_dict
+        # or the end of an epoch) and no pass has taken a batch from it since.
         self._chosen = True
+        self._pass: object | None = None  # the pass in progress (its iterator's), if any
         self.batch_size = request.batch_size
         self.transport: str | None = None  # of the stream opened last: "inline", "shm", ...
         self.classes: list[str] = []  # with labels="folder": label i is classes[i]
         self.failures: list[SampleFailure] = []  # (index, reason) pairs, with .category
-        self._position: int | None = None  # the last yielded batch's place in its pass
+        # The last yielded batch's epoch and place in its pass (batch_rng).
+        self._position: tuple[int, int] | None = None
         try:
             for part in self._parts:
                 self._opened[part.number] = self._open_retrying(part)
@@ -129,7 +164,17 @@ class Loader:
 
     @property
     def epoch(self) -> int:
+        """The epoch of the pass in progress, or of the next one."""
         return self._request.epoch
+
+    @property
+    def sampler(self) -> _EpochSampler:
+        """Where Lightning, and code written for a DataLoader, set the epoch:
+        ``loader.sampler.set_epoch(e)`` is ``loader.set_epoch(e)``."""
+        return _EpochSampler(self)
+
+    # A DataLoader's other place for a sampler: none here (Lightning looks there too).
+    batch_sampler = None
 
     def __len__(self) -> int:
         """Batches in a pass of this rank (a shared job's depend on its consumers)."""
@@ -149,54 +194,62 @@ class Loader:
         if self._position is None:
             raise RuntimeError("batch_rng: no batch has been yielded yet")
         request = self._request
-        return np.random.default_rng([request.seed, request.epoch, request.rank,
-                                      self._position, _MIXING])
+        epoch, position = self._position
+        return np.random.default_rng([request.seed, epoch, request.rank, position, _MIXING])
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` (and its shuffle order) for the next pass, from its start
-        (unless the next pass is already ``epoch``, resumed by ``load_state_dict``)."""
+        """Make the next pass ``epoch`` (and its shuffle order), from its start, unless
+        ``load_state_dict`` has just placed the loader inside ``epoch`` (as Lightning
+        calls both when it resumes mid-epoch). A pass in progress is over: its iterator
+        raises if asked for more."""
         if not self._chosen or epoch != self._request.epoch:
             self._begin(epoch)
 
     def state_dict(self) -> dict:
-        """{"epoch", "samples_consumed", "fingerprint"}: where the pass is, in samples of
-        its order (a finished pass is the next epoch's start), and what request it is of."""
+        """{"epoch", "samples_consumed", "world_size", "resumed_from", "fingerprint"}:
+        what the next batch will be, in samples of its epoch's order at this world size
+        (an epoch whose last batch was taken is the next one's start; resume.py), and
+        what request it is of. A loader restored from it does what this one will."""
+        return self._where().state(self.batch_size, self._fingerprint)
+
+    def _where(self) -> Position:
         pending = [part.pass_start for part in self._parts if part.pass_start is not None]
-        consumed = pending[0] if pending else sum(part.consumed for part in self._parts)
-        epoch = self._request.epoch
+        if pending:
+            return Position(self._request.epoch, pending[0], self._world_size, self._phases)
+        if self._at_end():
+            return Position(self._request.epoch + 1, 0, self._world_size)
+        return Position(self._request.epoch, sum(part.consumed for part in self._parts),
+                        self._world_size, self._phases)
+
+    def _at_end(self) -> bool:
+        """Every batch of the epoch has been taken (the pass may not have noticed yet)."""
+        if any(part.pass_start is not None for part in self._parts):
+            return False
         total = self._pass_total()
-        if total is not None and consumed >= total:
-            epoch, consumed = epoch + 1, 0
-        return {"epoch": epoch, "samples_consumed": consumed * self.batch_size,
-                "fingerprint": dict(self._fingerprint)}
+        return total is not None and sum(part.consumed for part in self._parts) >= total
 
     def load_state_dict(self, state: dict) -> None:
-        """Make the next pass resume where ``state`` was saved; ValueError naming the
-        field if it was saved for another request."""
+        """Make the next pass go on where ``state`` was saved, at any world size (resume.py);
+        ValueError naming the field if it was saved for another request."""
         if "fingerprint" not in state:
             raise ValueError("load_state_dict: the state has no fingerprint (saved by an older "
                              "gpufeed); it cannot be checked against this loader's request")
         check_fingerprint(state["fingerprint"], self._fingerprint)
-        samples = int(state["samples_consumed"])
-        if samples < 0 or samples % self.batch_size:
-            raise ValueError(f"load_state_dict: samples_consumed must be a multiple of batch_size "
-                             f"{self.batch_size}, got {samples}")
-        batches = samples // self.batch_size
-        total = self._pass_total()
-        if total is not None and batches >= total:  # a finished pass: the next epoch
-            self._begin(int(state["epoch"]) + 1)
-            return
-        self._begin(int(state["epoch"]))
+        position = Position.from_state(state, self.batch_size).at(self._world_size)
+        self._begin(position.epoch)
+        self._phases = position.resumed_from
         for part in self._parts:  # which of its batches that is, each part's server says
-            part.pass_start = batches
+            part.pass_start = position.batches
 
     def _begin(self, epoch: int) -> None:
-        """Make the next pass ``epoch`` from its start."""
+        """Make the next pass ``epoch`` from its start; a pass in progress is over."""
         self._close_opened()
         self._request.epoch = epoch
+        self._phases = ()
         for part in self._parts:
             part.consumed, part.pass_start = 0, None
         self._chosen = True
+        self._pass = None
 
     def _close_opened(self) -> None:
         for stream in self._opened.values():
@@ -204,16 +257,25 @@ class Loader:
         self._opened.clear()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if not self._chosen:  # a new pass nobody chose: the next epoch
+        """A pass: batches from the loader's position to its epoch's end. It starts at its
+        first ``next()``, so a ``set_epoch`` between ``iter()`` and it (Lightning's order)
+        chooses its epoch."""
+        this = object()
+        if self._at_end():  # every batch taken, but that pass never asked for more
             self._begin(self._request.epoch + 1)
-        self._chosen = False
+        self._pass, self._chosen = this, False
         self.failures = []
-        for part in self._parts:  # resumed: each part's server says where it is in its part
-            if part.pass_start is not None and part.number not in self._opened:
-                self._opened[part.number] = self._open_retrying(part)
-        streams = {part.number: self._part_batches(part) for part in self._parts}
+        streams: dict[int, Generator[dict[str, torch.Tensor], None, None]] = {}
         try:
+            for part in self._parts:  # resumed: each part's server says where it is in its part
+                if part.pass_start is not None and part.number not in self._opened:
+                    self._opened[part.number] = self._open_retrying(part)
+            streams = {part.number: self._part_batches(part) for part in self._parts}
             while streams:
+                if self._pass is not this:
+                    raise RuntimeError("this pass over the loader is over: a newer pass, "
+                                       "set_epoch or load_state_dict has moved the loader on; "
+                                       "iterate the loader again")
                 # In turn: the part that has yielded least goes next (ties: lowest number),
                 # which is the pass's order, also when a resumed pass continues.
                 part = min((self._parts[i] for i in streams), key=lambda p: (p.consumed, p.number))
@@ -221,11 +283,15 @@ class Loader:
                 if batch is None:
                     del streams[part.number]
                 else:
-                    self._position = sum(p.consumed for p in self._parts) - 1
+                    self._position = (self._request.epoch,
+                                      sum(p.consumed for p in self._parts) - 1)
                     yield batch
+            self._begin(self._request.epoch + 1)  # the epoch is over: the next pass is the next
         finally:
             for batches in streams.values():
                 batches.close()
+            if self._pass is this:
+                self._pass = None
 
     def _part_batches(self, part: _Part) -> Generator[dict[str, torch.Tensor], None, None]:
         """The part's batches to the end of the epoch, across reconnects and failovers."""
@@ -272,6 +338,8 @@ class Loader:
             server.wait_ready(outage.since + self._reconnect_timeout - time.monotonic())
         if len(self._parts) > 1:  # part k of n: the server deals the pass's batches
             request.batch_stride, request.batch_offset = len(self._parts), part.number
+        for size, batches in self._phases:  # an epoch resumed at another world size
+            request.resumed_from.add(world_size=size, batches=batches)
         if part.pass_start is None:
             request.start_batch = part.consumed
         elif len(self._parts) == 1:  # the part is the pass (and older servers know start_batch)
@@ -280,6 +348,14 @@ class Loader:
             request.pass_start_batch = part.pass_start
         stream = open_stream(server, request, self._copy, auto)
         header = stream.header
+        if header.resumed_phases != len(self._phases):
+            stream.close()
+            raise FeedError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"{server.address} applied {header.resumed_phases} of the "
+                            f"{len(self._phases)} earlier phases of an epoch resumed at another "
+                            f"world size (a server older than resumed_from ignores them and "
+                            f"would repeat samples): upgrade it, or resume at world_size "
+                            f"{self._phases[-1][0] if self._phases else self._world_size}")
         if part.pass_start is not None:
             part.consumed = header.start_batch if request.pass_start_batch else request.start_batch
             part.pass_start = None

@@ -49,8 +49,11 @@ class Output:
             (x - mean) / std when ``mean`` and ``std`` are given. uint8 is 2-4x
             less to move: over inline (remote) transports prefer it and
             normalise on the trainer's GPU.
-        mean: per-channel means, with ``std`` (a float dtype only).
-        std: per-channel standard deviations.
+        mean: per-channel means, with ``std`` (a float dtype only), in units of
+            x / 255: ImageNet's are (0.485, 0.456, 0.406). A value over 1 (the
+            0-255 habit of DALI and mmcv) is a ValueError saying so.
+        std: per-channel standard deviations, in the same units (ImageNet's:
+            (0.229, 0.224, 0.225)).
         layout: "NCHW" or "NHWC".
         clip: (frames, stride) for video files, which need it: each sample is
             ``image`` [frames, 3, H, W].
@@ -93,8 +96,8 @@ class Output:
             height=height, width=width, resize=choice("resize", self.resize, _RESIZES),
             shorter_side=self.shorter_side, scale_min=self.scale[0], scale_max=self.scale[1],
             ratio_min=self.ratio[0], ratio_max=self.ratio[1], flip_probability=self.flip,
-            dtype=self.dtype, mean=_floats(self.mean), std=_floats(self.std),
-            layout=choice("layout", self.layout, _LAYOUTS))
+            dtype=self.dtype, mean=_normalisation("mean", self.mean),
+            std=_normalisation("std", self.std), layout=choice("layout", self.layout, _LAYOUTS))
 
     def clip_spec(self) -> feed_pb2.ClipSpec | None:
         if not self.clip:
@@ -109,6 +112,18 @@ _FIELDS = {f.name for f in fields(Output)}
 def _floats(values) -> list[float]:
     """A list of floats from None, a sequence, a numpy array or a tensor."""
     return [] if values is None else [float(v) for v in values]
+
+
+def _normalisation(name: str, values) -> list[float]:
+    """``mean`` or ``std`` as floats; ValueError for a value over 1. The server normalises
+    x / 255 (every float dtype, both layouts, video frames alike), so a mean in 0-255
+    units would put every output near -2 without an error anywhere."""
+    floats = _floats(values)
+    if any(v > 1 for v in floats):
+        scaled = ", ".join(f"{v / 255:.4g}" for v in floats)
+        raise ValueError(f"{name}={tuple(floats)}: mean and std are in units of x/255: for "
+                         f"0-255 values divide by 255 ({name}=({scaled}))")
+    return floats
 
 
 def _size(size: int | tuple[int, int] | None) -> tuple[int, int]:

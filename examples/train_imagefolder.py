@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             step = state["step"]
             print(f"resumed at epoch {train.epoch}, sample {state['loader']['samples_consumed']} "
                   f"(step {step})", flush=True)
-        # Each pass over a loader is its next epoch; after load_state_dict, the
-        # first pass finishes the checkpoint's epoch.
+        # A pass that reaches its epoch's end makes the next pass the next epoch;
+        # after load_state_dict, the first pass finishes the checkpoint's epoch.
         for epoch in range(train.epoch, args.epochs):
             samples, loss = 0, None
             for batch in train:

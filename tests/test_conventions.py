@@ -116,7 +116,6 @@ _OPTIONS = dict(batch_size=16, size=(16, 16), shuffle=True, seed=3, epoch=1)
     ({"seed": 4}, "seed"),
     ({"shuffle": False}, "shuffle"),
     ({"drop_last": True}, "drop_last"),
-    ({"rank": 1, "world_size": 2}, "rank"),
     ({"flip": 0.5}, "transforms"),
     ({"size": (16, 24)}, "transforms"),
     ({"files": "other"}, "files"),

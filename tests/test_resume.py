@@ -96,3 +96,113 @@ def test_a_pass_stopped_saved_and_resumed_is_the_uninterrupted_pass(feed, transp
     after = [_owned(b) for b in resumed]
 
     _same(before + after, whole)  # every sample once, same order, same content
+
+
+# The rule for passes left early and for peeking (README, "Restarts"): the loader is a
+# position in its epochs; a pass left early only stops taking batches, so the next pass
+# continues the epoch, and state_dict() says what the next pass will do.
+
+_IMAGE = dict(_KINDS["image"], batch_size=BATCH, shuffle=True, seed=5, epoch=1,
+              transport="inline")
+
+
+def _position(loader) -> tuple[int, int]:
+    state = loader.state_dict()
+    return state["epoch"], state["samples_consumed"]
+
+
+def test_a_pass_left_early_is_continued_by_the_live_loader_and_by_its_state(feed):
+    whole = [_owned(b) for b in feed.loader(**_IMAGE)]
+    loader = feed.loader(**_IMAGE)
+    before = []
+    for batch in loader:
+        before.append(_owned(batch))
+        if len(before) == STOP_AFTER:
+            break
+    assert loader.epoch == 1 and _position(loader) == (1, STOP_AFTER * BATCH)
+    restored = feed.loader(**{**_IMAGE, "epoch": 0})
+    restored.load_state_dict(loader.state_dict())
+
+    live = [_owned(b) for b in loader]  # the next pass: the rest of epoch 1
+    _same(before + live, whole)
+    _same([_owned(b) for b in restored], live)
+
+    # That pass delivered the epoch's last batch: the next pass is epoch 2, from its start.
+    assert loader.epoch == 2 and _position(loader) == (2, 0)
+    _same([_owned(b) for b in loader], [_owned(b) for b in feed.loader(**{**_IMAGE, "epoch": 2})])
+
+
+def test_a_peek_takes_one_batch_and_says_so(feed):
+    whole = [_owned(b) for b in feed.loader(**_IMAGE)]
+    loader = feed.loader(**_IMAGE)
+    peeked = _owned(next(iter(loader)))
+    _same([peeked], whole[:1])
+    assert loader.epoch == 1 and _position(loader) == (1, BATCH)  # not a whole epoch
+    restored = feed.loader(**_IMAGE)
+    restored.load_state_dict(loader.state_dict())
+    _same([_owned(b) for b in restored], whole[1:])
+    _same([_owned(b) for b in loader], whole[1:])
+
+    # A peek, then set_epoch before each pass (the README's loop): the whole epoch.
+    again = feed.loader(**_IMAGE)
+    next(iter(again))
+    again.set_epoch(1)
+    assert _position(again) == (1, 0)
+    _same([_owned(b) for b in again], whole)
+
+
+def test_only_the_newest_pass_may_be_iterated(feed):
+    whole = [_owned(b) for b in feed.loader(**_IMAGE)]
+    loader = feed.loader(**_IMAGE)
+    older = iter(loader)
+    first = _owned(next(older))
+    newer = iter(loader)
+    _same([first, _owned(next(newer))], whole[:2])  # the newer pass continues the epoch
+    with pytest.raises(RuntimeError, match="newer pass"):
+        next(older)  # two passes over one position would each skip the other's batches
+    _same([_owned(b) for b in newer], whole[2:])
+
+
+_ARRAY = dict(_KINDS["array"], batch_size=BATCH, shuffle=True, seed=5, epoch=1,
+              transport="inline")
+
+
+def test_what_does_not_decide_the_samples_is_not_in_the_fingerprint(feed):
+    """A lossless compression, the transport, prefetch and the rank: a state saved without
+    them resumes a loader with them. Any rank's state stands for every rank's (ranks of
+    synchronous training consume as many batches): rank 1 goes on in its own order."""
+    whole = [_owned(b) for b in feed.loader(**_ARRAY)]
+    loader = feed.loader(**_ARRAY)
+    before = [_owned(b) for _, b in zip(range(STOP_AFTER), iter(loader))]
+    state = json.loads(json.dumps(loader.state_dict()))
+    other = feed.loader(**{**_ARRAY, "compression": "zstd", "prefetch": 1, "transport": "shm"})
+    other.load_state_dict(state)
+    _same(before + [_owned(b) for b in other], whole)
+    assert set(state["fingerprint"]).isdisjoint({"rank", "world_size", "compression"})
+
+    ranks = dict(_ARRAY, world_size=2)
+    rank1 = [_owned(b) for b in feed.loader(**ranks, rank=1)]
+    saved_by_0 = feed.loader(**ranks, rank=0)
+    next(iter(saved_by_0))
+    resumed_1 = feed.loader(**ranks, rank=1)
+    resumed_1.load_state_dict(saved_by_0.state_dict())
+    _same([_owned(b) for b in resumed_1], rank1[1:])
+
+
+def test_a_state_saved_before_elastic_resume_still_loads(feed):
+    """Older states: world_size, rank and compression in the fingerprint, no world_size
+    or resumed_from of their own, and no entry for a request field added since."""
+    whole = [_owned(b) for b in feed.loader(**_IMAGE)]
+    loader = feed.loader(**_IMAGE)
+    next(iter(loader))
+    state = loader.state_dict()
+    old = {"epoch": state["epoch"], "samples_consumed": state["samples_consumed"],
+           "fingerprint": {**state["fingerprint"], "rank": 0, "world_size": 1,
+                           "compression": "e3b0c44298fc1c14"}}
+    del old["fingerprint"]["sample_transforms"]  # as if saved before the field existed
+    resumed = feed.loader(**_IMAGE)
+    resumed.load_state_dict(old)
+    _same([_owned(b) for b in resumed], whole[1:])
+    transformed = feed.loader(**_IMAGE, transforms=["trivial_augment_wide"])
+    with pytest.raises(ValueError, match="sample_transforms differs"):
+        transformed.load_state_dict(old)

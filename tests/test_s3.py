@@ -4,7 +4,9 @@ bad and missing objects failing only their samples, and bucket/prefix confinemen
 Shards are read in chunks of whole samples: the server's metrics count the GETs and
 bytes of a pass, a shuffled pass and a resumed one. An object overwritten after it was
 indexed fails its samples (never read at the old offsets), and an object store that
-stalls mid-answer (a proxy in front of SeaweedFS) fails its samples as timeouts."""
+stalls mid-answer (a proxy in front of SeaweedFS) fails its samples as timeouts. An S3
+directory serves what the same tree on disk does (order, folder labels, classes), over
+several LIST pages, and a prefix over --max-samples is refused after one page."""
 
 from __future__ import annotations
 
@@ -502,3 +504,178 @@ def test_a_sidecar_object_over_its_bound_is_refused_unread(s3):
         (failure,) = loader.failures
         assert failure.index == 0 and failure.category == "too_large", failure
         assert status_mb(server.proc.pid, "VmHWM") - before < 100  # MB
+
+
+def test_samples_from_s3_are_named_by_their_url(feed):
+    """``names=True``: a shard sample is its shard's URL then its key, a loose object its
+    URL, however the request named them (a relative shard pattern too)."""
+    from gpufeed.client import names
+
+    for files in ([SHARDS], ["shard-{00..02}.tar"]):
+        rows = [(i, n) for b in feed.loader(files, batch_size=4, size=SIZE, names=True)
+                for i, n in zip(b["index"].tolist(), names(b))]
+        shard = np.repeat(np.arange(len(COUNTS)), COUNTS)
+        assert rows == [(i, f"s3://data/train/shard-{shard[i]:02d}.tar/{i:06d}")
+                        for i in range(sum(COUNTS))]
+    loose = [f"s3://data/train/loose/{i}.jpg" for i in range(3)]
+    (batch,) = feed.loader(loose, batch_size=4, size=SIZE, names=True)
+    assert names(batch) == loose
+
+
+# -- directories in S3: ListObjectsV2, ImageFolder's order, folder labels ------------------
+
+# An ImageFolder tree as objects under train/tree/ and as files on disk. Its hostile parts:
+# "cat-x/" sorts before "cat/more/" as a key and after "cat" as a class; an upper-case
+# class and suffix; a space and a non-ASCII letter in names; a file that is no sample; a
+# class that is only a "directory marker" key (an empty folder on disk).
+TREE = ["val/cat/c0.jpg", "val/cat/c1.jpg", "val/cat/more/deep.JPEG", "val/cat-x/sorted.jpg",
+        "val/dog/d 0.jpg", "val/dog/\u00e9.jpg", "val/Zebra/z.jpg"]
+TREE_CLASSES = ["Zebra", "bird", "cat", "cat-x", "dog"]
+MANY = 1005  # class folders of one object each: more than a ListObjectsV2 page (1000)
+
+
+@pytest.fixture(scope="module")
+def tree(s3, tmp_path_factory):
+    """The tree in S3 (under s3://data/train/tree/) and on disk (``<root>/tree/``); the
+    local root."""
+    client = s3.client()
+    root = tmp_path_factory.mktemp("local")
+    rng = np.random.default_rng(11)
+    for name in TREE:
+        jpeg = encode_jpeg(synthetic_photo(rng, int(rng.integers(30, 60)),
+                                           int(rng.integers(30, 60))))
+        client.put_object(Bucket="data", Key=f"train/tree/{name}", Body=jpeg)
+        (root / "tree" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "tree" / name).write_bytes(jpeg)
+    for name, body in [("val/dog/notes.txt", b"no sample"), ("docs/readme.txt", b"no sample")]:
+        client.put_object(Bucket="data", Key=f"train/tree/{name}", Body=body)
+        (root / "tree" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "tree" / name).write_bytes(body)
+    client.put_object(Bucket="data", Key="train/tree/val/bird/", Body=b"")
+    (root / "tree" / "val" / "bird").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def local_feed(tree):
+    with ServerProcess(["--data-root", str(tree), "--threads", "2"]) as server, \
+            FeedClient(server.address) as client:
+        yield client
+
+
+def _folder_pass(loader) -> tuple[list[str], list[tuple[int, int, np.ndarray]]]:
+    """The classes, and (index, label, pixels) of every sample by index; no failures."""
+    samples = sorted(_labelled(loader), key=lambda sample: sample[0])
+    assert loader.failures == []
+    return loader.classes, samples
+
+
+@pytest.mark.parametrize("s3_files, local_files", [
+    ("s3://data/train/tree/val/", "tree/val/"),
+    (["s3://data/train/tree/val/"], ["tree/val/"]),
+    (["s3://data/train/tree/val"], ["tree/val"]),  # no slash: a prefix with objects under it
+    ("tree/val/", "tree/val/"),  # relative to the first S3 root (the server has no local one)
+    (["s3://data/train/tree/val/dog/\u00e9.jpg", "s3://data/train/tree/val/",
+      "tree/val/cat/c0.jpg"], ["tree/val/dog/\u00e9.jpg", "tree/val/", "tree/val/cat/c0.jpg"]),
+    (["s3://data/train/tree/val/dog/d 0.jpg", "s3://data/train/tree/val/Zebra/z.jpg"],
+     ["tree/val/dog/d 0.jpg", "tree/val/Zebra/z.jpg"]),  # files: classes from their prefix
+], ids=["files_str", "in_a_list", "no_slash", "relative", "listed_in_place", "files_only"])
+def test_an_s3_directory_serves_what_the_same_tree_on_disk_does(feed, local_feed, tree, s3_files,
+                                                               local_files):
+    """Every sample object once, in the order, with the labels and classes, that the same
+    tree on local disk gets (itself checked against ImageFolder's rules in
+    test_folders.py): pixels equal index by index."""
+    kw = dict(batch_size=3, size=SIZE, labels="folder")
+    classes, got = _folder_pass(feed.loader(s3_files, **kw))
+    local_classes, expected = _folder_pass(local_feed.loader(local_files, **kw))
+    assert classes == local_classes == TREE_CLASSES
+    assert [i for i, _, _ in got] == list(range(len(expected)))
+    assert [label for _, label, _ in got] == [label for _, label, _ in expected]
+    assert all((a == b).all() for (_, _, a), (_, _, b) in zip(got, expected))
+    if s3_files == "s3://data/train/tree/val/":
+        assert len(got) == len(TREE) and [label for _, label, _ in got] == [0, 2, 2, 2, 3, 4, 4]
+
+
+@pytest.mark.parametrize("files, code, words", [
+    ("s3://data/train/tree/nothing/", grpc.StatusCode.NOT_FOUND, ["nothing/", "no object under"]),
+    ("s3://data/train/tree/docs/", grpc.StatusCode.INVALID_ARGUMENT,
+     ["docs/", "holds no image, video or array files"]),
+    (["s3://data/train/tree/val/bird/"], grpc.StatusCode.INVALID_ARGUMENT,  # a marker only
+     ["bird/", "holds no image, video or array files"]),
+])
+def test_an_s3_directory_without_samples_is_refused_naming_it(feed, tree, files, code, words):
+    with pytest.raises(FeedError) as refused:
+        feed.loader(files, batch_size=2, size=SIZE)
+    assert refused.value.code == code
+    for word in words:
+        assert word in str(refused.value)
+
+
+@pytest.fixture(scope="module")
+def many(s3):
+    """MANY class folders under s3://data/train/many/, one object in each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = s3.client()
+    jpeg = s3.loose[0]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: client.put_object(Bucket="data", Key=f"train/many/c{i:04d}/x.jpg",
+                                                  Body=jpeg), range(MANY)))
+    return "s3://data/train/many/"
+
+
+def test_a_listing_over_several_pages_serves_every_object_once(feed, many):
+    """Objects and class prefixes both run over two ListObjectsV2 pages: sample i is in
+    class folder i, so its label is its index, each once."""
+    loader = feed.loader(many, batch_size=256, size=(8, 8), labels="folder")
+    assert loader.classes == [f"c{i:04d}" for i in range(MANY)]
+    labelled = [(i, label) for batch in loader
+                for i, label in zip(batch["index"].tolist(), batch["label"].tolist())]
+    assert loader.failures == []
+    assert labelled == [(i, i) for i in range(MANY)]
+
+
+def test_a_listing_over_max_samples_stops_at_its_first_page(s3, many):
+    """With --max-samples 5, a prefix of MANY objects is refused after one LIST (a page
+    of 1000 keys), not after listing them all: a proxy in front of SeaweedFS counts the
+    LISTs the server sends."""
+    lists = []
+
+    def count(method: str, target: str, headers: dict[str, bytes]) -> bool:
+        if method == "GET" and "list-type=2" in target:
+            lists.append(target)
+        return False  # nothing stalls
+
+    proxy = _StallingProxy(s3.endpoint, count)
+    try:
+        with _server(s3, "--s3-endpoint", proxy.endpoint, "--max-samples", "5") as server, \
+                FeedClient(server.address) as feed:
+            with pytest.raises(FeedError) as refused:
+                feed.loader(many, batch_size=2, size=SIZE)
+    finally:
+        proxy.close()
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "more than 5 sample files" in str(refused.value)
+    assert "--max-samples" in str(refused.value)
+    assert len(lists) == 1, lists
+
+
+def test_an_object_deleted_after_the_listing_fails_alone(s3):
+    """A listing is what the store answered at open: an object deleted afterwards fails
+    as a missing file does, named, and the pass goes on. Read-ahead off and one batch
+    of one sample ahead: the server has read at most the first few objects when the
+    last is deleted."""
+    client = s3.client()
+    for i in range(6):
+        client.put_object(Bucket="data", Key=f"train/gone/c/{i}.jpg", Body=s3.loose[i])
+    with _server(s3, "--read-ahead-bytes", "0") as server, FeedClient(server.address) as feed:
+        loader = feed.loader("s3://data/train/gone/", batch_size=1, prefetch=1, size=SIZE,
+                             labels="folder", failure_budget=1)
+        client.delete_object(Bucket="data", Key="train/gone/c/5.jpg")
+        delivered = _labelled(loader)
+        assert [(i, label) for i, label, _ in delivered] == [(i, 0) for i in range(5)]
+        for i, _, image in delivered:
+            assert psnr(image, _reference(s3.loose[i])) >= MIN_PSNR_DB
+        (failure,) = loader.failures
+        assert failure.index == 5 and failure.category == "not_found", failure
+        assert failure.reason.startswith("s3://data/train/gone/c/5.jpg"), failure

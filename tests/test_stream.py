@@ -59,16 +59,19 @@ def test_shuffle_is_a_function_of_seed_and_epoch(feed, image_names):
 
 
 def test_each_new_pass_is_the_next_epoch_unless_set_epoch_chose_one(feed, image_names):
-    """A loop that never calls set_epoch (Lightning, Accelerate) gets a new order each pass."""
+    """A loop that never calls set_epoch gets a new order each pass; ``loader.epoch`` is
+    the epoch of the pass in progress, or of the next one; a pass left early is
+    continued by the next (README, "Epochs and passes")."""
     def order(loader) -> list[int]:
         return [i for b in loader for i in b["index"].tolist()]
 
     options = dict(files=image_names[:40], batch_size=8, size=(16, 16), shuffle=True)
     loader = feed.loader(**options)
-    epoch0 = order(loader)
     assert loader.epoch == 0
+    epoch0 = order(loader)
+    assert loader.epoch == 1  # epoch 0 is done: the next pass is epoch 1
     epoch1 = order(loader)  # no set_epoch: the next epoch
-    assert loader.epoch == 1
+    assert loader.epoch == 2
     assert epoch1 != epoch0 and sorted(epoch1) == sorted(epoch0)
     assert epoch1 == order(feed.loader(epoch=1, **options))
     loader.set_epoch(0)  # chosen: that epoch, from its start
@@ -76,11 +79,11 @@ def test_each_new_pass_is_the_next_epoch_unless_set_epoch_chose_one(feed, image_
     loader.set_epoch(5)
     loader.set_epoch(5)  # the same choice twice is one pass of epoch 5
     assert order(loader) == order(feed.loader(epoch=5, **options))
-    for k, _ in enumerate(loader):  # a pass left early...
+    for k, _ in enumerate(loader):  # a pass of epoch 6 left early, after 2 batches...
         if k == 1:
             break
     assert loader.epoch == 6
-    assert order(loader) == order(feed.loader(epoch=7, **options))  # ...is a pass too
+    assert order(loader) == order(feed.loader(epoch=6, **options))[16:]  # ...is continued
 
 
 def test_world_size_splits_into_disjoint_shards(feed, image_names):

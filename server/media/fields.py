@@ -64,7 +64,7 @@ from . import jsontext
 from .decode import DecodeError, OverLimit, SourceWindow, decode_frame
 
 __all__ = ["BOXES", "FIELD_NAMES", "MASK", "META", "FieldError", "Sample", "SampleFields",
-           "Sidecar", "nearest_window", "row_sample"]
+           "Sidecar", "nearest_window", "pack_rows", "row_sample"]
 
 MASK, BOXES, META = "mask", "boxes", "meta"
 FIELD_NAMES = (MASK, BOXES, META)
@@ -271,19 +271,8 @@ class SampleFields:
         many of each field's first-axis entries are sent (fields.py's tensors)."""
         lengths: dict[str, int] = {}
         for name in _VARIABLE:
-            if name not in self.sidecars:
-                continue
-            counts = arrays[f"{name}_count"][:rows]
-            offsets = arrays[f"{name}_offsets"]
-            offsets[0] = 0
-            np.cumsum(counts, out=offsets[1:rows + 1])
-            padded = arrays[name]
-            flat = padded.reshape(-1, *padded.shape[2:])
-            for row in range(rows):  # each row moves down, never past a later one's start
-                start, count = int(offsets[row]), int(counts[row])
-                flat[start:start + count] = padded[row, :count]
-            lengths[name] = int(offsets[rows])
-            lengths[f"{name}_offsets"] = rows + 1
+            if name in self.sidecars:
+                lengths.update(pack_rows(arrays, name, rows))
         return lengths
 
     def _mask(self, data: bytes, window: SourceWindow, flip: bool, max_pixels: int) -> np.ndarray:
@@ -324,6 +313,22 @@ class SampleFields:
         except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, too deep alike
             raise DecodeError(f"meta: not JSON: {e}") from None
         return np.frombuffer(data, np.uint8)
+
+
+def pack_rows(arrays: dict[str, np.ndarray], name: str, rows: int) -> dict[str, int]:
+    """Pack variable-length ``name``'s first ``rows`` rows (``name_count`` entries each)
+    flat from the field's start, and fill ``name_offsets``; the entries sent of each
+    (a sample's fields, and serving's batch names, travel so)."""
+    counts = arrays[f"{name}_count"][:rows]
+    offsets = arrays[f"{name}_offsets"]
+    offsets[0] = 0
+    np.cumsum(counts, out=offsets[1:rows + 1])
+    padded = arrays[name]
+    flat = padded.reshape(-1, *padded.shape[2:])
+    for row in range(rows):  # each row moves down, never past a later one's start
+        start, count = int(offsets[row]), int(counts[row])
+        flat[start:start + count] = padded[row, :count]
+    return {name: int(offsets[rows]), f"{name}_offsets": rows + 1}
 
 
 def row_sample(arrays: dict[str, np.ndarray], row: int) -> Sample:

@@ -181,6 +181,10 @@ class OutputTransform:
         if not all(_MIN_STD <= s < math.inf for s in spec.std):
             raise ValueError(f"output.std must be finite and at least {_MIN_STD:g}, "
                              f"got {list(spec.std)}")
+        for name, values in (("mean", spec.mean), ("std", spec.std)):
+            if any(v > 1 for v in values):  # 0-255 values would put every output near -2
+                raise ValueError(f"output.{name} must be at most 1, got {list(values)}: mean and "
+                                 f"std are in units of x/255: for 0-255 values divide by 255")
         if spec.mean and self.dtype == torch.uint8:
             raise ValueError("output.mean/std need a float output.dtype")
         self.mean, self.std = list(spec.mean), list(spec.std)

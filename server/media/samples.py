@@ -130,6 +130,11 @@ class RowReader(Protocol):
     def forget(self, storage: Storage) -> None:
         """The stream ended: drop reads issued ahead for rows never decoded (default: nothing)."""
 
+    def name(self, storage: Storage, paths: SamplePaths, index: int) -> str:
+        """Sample ``index``'s name in its batch (``loader(names=True)``): by default its
+        file as failures name it, relative to its data root (an S3 URL in full)."""
+        return storage.shown(paths[index])
+
 
 class ImageRows(RowReader):
     """Images, and the fields declared beside them (fields.py), into their rows."""

@@ -17,10 +17,23 @@ or, for a sample named as a file, the parent of the folder holding it (its
 class is that folder). Every sample must then have the same dataset directory;
 with explicit ``classes`` it need not, and the classes are those given. Either
 way a sample whose class folder is not a class is refused, naming it.
+
+A directory in S3 is a prefix ending in "/" (roots.py), listed with
+ListObjectsV2 under the same rules: the sample objects under it in the order
+the same tree on disk would have (a key's first "folder" below the directory
+is its class folder, the rest of its path its subdirectories), the bound
+counted as the pages come, so a prefix of a hundred million keys is refused
+after ``--max-samples`` of them, not after listing it all; the classes are its
+first-level prefixes (a "directory marker" key ``val/bird/`` makes one, as an
+empty folder does on disk). A listing is what the store answered while it
+was made: an object deleted later fails as any missing file does, one added
+later is not served, and one the store answers twice (pages that moved under
+a listing) is listed once.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,10 +42,11 @@ import numpy as np
 
 from ..media.samples import is_sample_file
 from ..storage.paths import LocatedPaths, OutsideDataRoots
-from ..storage.roots import Storage
+from ..storage.roots import Storage, is_s3
 from .names import SampleNames
 
-__all__ = ["FolderError", "Listing", "SampleFiles", "folder_labels", "list_directory"]
+__all__ = ["FolderError", "Listing", "SampleFiles", "as_directory", "below", "folder_labels",
+           "is_directory", "list_directory"]
 
 
 class FolderError(ValueError):
@@ -66,14 +80,40 @@ class SampleFiles:
     listings: list[Listing] = field(default_factory=list)
 
 
+def is_directory(path: str, name: str, storage: Storage) -> bool:
+    """Whether a located path is a directory (roots.py's ``Storage.is_directory``);
+    FolderError, named, when S3 cannot be asked."""
+    try:
+        return storage.is_directory(path)
+    except OutsideDataRoots:
+        raise
+    except OSError as e:
+        raise FolderError(f"cannot list {name!r}: {e}",
+                          not_found=isinstance(e, FileNotFoundError)) from None
+
+
+def as_directory(path: str) -> str:
+    """A located directory as ``list_directory`` takes it and ``Listing`` keeps it: an S3
+    one ends in "/" (the prefix its keys share), a local one as located."""
+    return path.rstrip("/") + "/" if is_s3(path) else path
+
+
+def below(path: str, directory: str) -> str:
+    """``path``'s name relative to ``directory`` (``as_directory``'s), which holds it."""
+    return path[len(directory):] if is_s3(directory) else os.path.relpath(path, directory)
+
+
 def list_directory(directory: str, name: str, storage: Storage, limit: int) -> list[str]:
-    """The sample files under ``directory`` (located), in ImageFolder's order.
+    """The sample files under ``directory`` (located; ``as_directory``'s), in ImageFolder's
+    order.
 
     ``name`` is how the request named it, for messages. Raises OutsideDataRoots
     for a directory (or a symlinked one under it) that resolves outside the
     roots, FolderError for a symlink loop, an unreadable directory, or more than
     ``limit`` files.
     """
+    if is_s3(directory):
+        return _list_prefix(directory, name, storage, limit)
     if storage.root_of(os.path.realpath(directory)) is None:
         raise OutsideDataRoots(f"{name!r} resolves outside the data roots")
     files, subdirs = [], []
@@ -91,6 +131,41 @@ def list_directory(directory: str, name: str, storage: Storage, limit: int) -> l
             files.extend(os.path.join(parent, n) for n in sorted(names))
     _check_limit(len(files), limit, name)
     return files
+
+
+def _list_prefix(directory: str, name: str, storage: Storage, limit: int) -> list[str]:
+    """``list_directory`` for S3: the sample objects under ``directory`` in the order of the
+    same tree on disk, each once. FolderError (not found) when no key at all lies under
+    it: S3 cannot tell an empty prefix from a missing one."""
+    found: list[str] = []
+    keys = 0
+    try:
+        for key in storage.list_objects(directory):
+            keys += 1
+            if is_sample_file(key):
+                found.append(key)
+                _check_limit(len(found), limit, name)
+    except OutsideDataRoots:
+        raise
+    except OSError as e:
+        raise FolderError(f"cannot list {name!r}: {e}",
+                          not_found=isinstance(e, FileNotFoundError)) from None
+    if not keys:
+        raise FolderError(f"{name!r}: no object under {directory!r}", not_found=True)
+    found.sort(key=_on_disk)
+    return [directory + key for key, _ in itertools.groupby(found)]
+
+
+def _on_disk(key: str) -> tuple[int, str, str, str]:
+    """Where a key below a listed directory comes in ``list_directory``'s local order:
+    files directly in it first, by name; then by class folder, and within one by the
+    file's folder (as the sorted ``os.walk``), then by name. The class comes first
+    because the whole path does not sort so: ``cat-x/`` sorts before ``cat/more/``."""
+    folder, sep, _ = key.partition("/")
+    if not sep:
+        return 0, "", "", key
+    parent, _, file = key.rpartition("/")
+    return 1, folder, parent, file
 
 
 def _check_limit(count: int, limit: int, name: str) -> None:
@@ -189,12 +264,13 @@ def _class_folders(samples: SampleFiles, storage: Storage) -> tuple[list[str], l
         while listing is not None and i >= listing.stop:
             listing = next(listed, None)
         if listing is not None and listing.start <= i:
-            below = os.path.relpath(path, listing.directory)
-            folder, sep, _ = below.partition("/")
+            folder, sep, _ = below(path, listing.directory).partition("/")
             dataset = listing.directory
         else:
             parent = os.path.dirname(path)
             folder, dataset = os.path.basename(parent), os.path.dirname(parent)
+            if is_s3(path):  # as a listed S3 directory is kept: the prefix of its keys
+                dataset += "/"
             sep = "/" if storage.root_of(dataset) is not None else ""
         if not sep:
             raise FolderError(f"label_source: LABELS_FROM_FOLDER: samples[{i}] "
@@ -207,6 +283,8 @@ def _class_folders(samples: SampleFiles, storage: Storage) -> tuple[list[str], l
 
 def _subdirectories(dataset: str, example: str, storage: Storage) -> list[str]:
     """ImageFolder's classes: the sorted names of the directories in ``dataset``."""
+    if is_s3(dataset):
+        return _prefix_classes(dataset, example, storage)
     shown = storage.shown(dataset)
     if storage.root_of(os.path.realpath(dataset)) is None:
         raise OutsideDataRoots(f"the dataset directory {shown!r} resolves outside the data roots")
@@ -215,3 +293,22 @@ def _subdirectories(dataset: str, example: str, storage: Storage) -> list[str]:
                           f"(of {example!r}) is not a directory on the server", not_found=True)
     return sorted(entry.name for entry in _entries(dataset, shown) if _is_dir(entry))
 
+
+def _prefix_classes(dataset: str, example: str, storage: Storage) -> list[str]:
+    """``_subdirectories`` for S3: the sorted first-level prefixes of ``dataset``."""
+    classes, keys = [], 0
+    try:
+        for key in storage.list_objects(dataset, first_level=True):
+            keys += 1
+            if key.endswith("/") and key != "/":
+                classes.append(key[:-1])
+    except OutsideDataRoots:
+        raise
+    except OSError as e:
+        raise FolderError(f"label_source: LABELS_FROM_FOLDER: cannot list the dataset directory "
+                          f"{dataset!r} (of {example!r}): {e}",
+                          not_found=isinstance(e, FileNotFoundError)) from None
+    if not keys:
+        raise FolderError(f"label_source: LABELS_FROM_FOLDER: the dataset directory {dataset!r} "
+                          f"(of {example!r}) holds no object", not_found=True)
+    return sorted(set(classes))

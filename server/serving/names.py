@@ -55,6 +55,13 @@ class SampleNames(Sequence[str]):
     def nbytes(self) -> int:
         return len(self._blob) + self._ends.nbytes
 
+    @property
+    def longest(self) -> int:
+        """The most UTF-8 bytes a name has (0 for none): one numpy pass, no name decoded."""
+        if not len(self._ends):
+            return 0
+        return int(np.diff(self._ends, prepend=0).max())
+
     def __len__(self) -> int:
         return len(self._ends)
 

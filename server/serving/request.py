@@ -19,7 +19,6 @@ import weakref
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
@@ -58,16 +57,31 @@ from ..storage.shards import (
     locate_shards,
     names_shards,
 )
+from .batchnames import BatchNames, name_room
 from .errors import Forbidden, InvalidRequest, LimitExceeded, NotFound, Unsupported
-from .folders import FolderError, Listing, SampleFiles, TooManyFiles, folder_labels, list_directory
+from .folders import (
+    FolderError,
+    Listing,
+    SampleFiles,
+    TooManyFiles,
+    as_directory,
+    below,
+    folder_labels,
+    is_directory,
+    list_directory,
+)
 from .names import SampleNames, TooManyNames
-from .order import Batches, shard_order, split_batches, tar_order
+from .order import Batches, EpochOrder, PhaseOverrun, resumed_order, split_batches
 from .planning import PlanStopped
 from .wire import COMPRESSORS
 
 __all__ = ["StreamPlan", "plan_stream"]
 
 _MAX_SIDE = 8192
+# Resuming an epoch at another world size (resumed_from): at most this many earlier
+# phases, and world sizes up to this (a million ranks).
+_MAX_RESUMED = 64
+_MAX_WORLD_SIZE = 1 << 20
 _LIST_CHUNK = 1 << 20  # bytes of a list file decoded at a time
 # A plan this large gives the allocator's free memory back to the system when it goes.
 _TRIM_AFTER_BYTES = 8 << 20
@@ -96,6 +110,10 @@ class StreamPlan:
     fields: SampleFields | None = None
     # The request's sample transforms (server/transforms.py), run on each decoded row.
     sample_transforms: SampleTransforms | None = None
+    # Each sample's name in its batch (batchnames.py); None unless the request asks.
+    names: BatchNames | None = None
+    # The request's resumed_from phases this plan's order applies (order.py): all of them.
+    resumed: int = 0
 
     @property
     def num_slots(self) -> int:
@@ -158,13 +176,15 @@ def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
     if kind == ARRAYS:
         transform = None
         reader = ArrayRows(_first_arrays(paths[0], names[0], storage))
-        layout = _array_layout(req.batch_size, reader, extra)
+        batch_names = _batch_names(req, storage, paths, reader, prefix)
+        layout = _array_layout(req.batch_size, reader, extra, batch_names)
     else:
         transform, reader = _pixels(req, kind, fields)
         if shards:
             reader = ShardRows(transform, shards, fields)
             paths = reader.paths
-        layout = _image_layout(req.batch_size, transform, extra, fields)
+        batch_names = _batch_names(req, storage, paths, reader, prefix)
+        layout = _image_layout(req.batch_size, transform, extra, fields, batch_names)
     sample_transforms = _sample_transforms(req, kind, fields)
 
     prefetch = req.prefetch or limits.default_prefetch
@@ -191,8 +211,7 @@ def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
     if shards and len(shards.paths) < world_size:
         raise InvalidRequest(f"world_size: {world_size} ranks but {len(shards.paths)} tar shards; "
                              f"each rank reads whole shards")
-    order = (partial(tar_order, shards.first) if shards else partial(shard_order, len(names)))(
-        rank=req.rank, world_size=world_size, shuffle=req.shuffle, seed=req.seed, epoch=req.epoch)
+    order, resumed = _order(req, world_size, shards, len(names))
     whole = split_batches(order, req.batch_size, req.drop_last)
     batches = _served_batches(req, whole)
     assert paths is not None  # the shards' reader made them above
@@ -204,7 +223,8 @@ def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
                       prefetch=prefetch,
                       max_failures=_failure_budget(req, batches.samples_from(0), limits),
                       lease_timeout=limits.lease_timeout, compression=compression,
-                      compress=compress, fields=fields, sample_transforms=sample_transforms)
+                      compress=compress, fields=fields, sample_transforms=sample_transforms,
+                      names=batch_names, resumed=resumed)
     if isinstance(reader, ShardRows):  # S3 chunks run over the samples the stream reads
         served = [batches[k] for k in range(plan.start_batch, len(batches))]
         reader.will_read(np.concatenate(served) if served else order[:0])
@@ -225,6 +245,56 @@ def _compression(name: str, transport: int) -> tuple[str, Callable | None]:
     except ImportError as e:
         raise Unsupported(f"compression: {name} needs {e.name} on the server "
                           f"(pip install 'gpufeed[compression]')") from None
+
+
+def _order(req: feed_pb2.StreamRequest, world_size: int, shards: ShardSet | None,
+           num_files: int) -> tuple[np.ndarray, int]:
+    """The stream's sample order (order.py) and how many resumed phases it applies:
+    the epoch's own, or, when the request resumes an epoch begun at other world
+    sizes (``resumed_from``), the samples its earlier phases had not delivered."""
+    phases = _resumed_from(req, world_size, shards)
+    epoch = EpochOrder(int(shards.first[-1]) if shards else num_files,
+                       shards.first if shards else None, req.shuffle, req.seed, req.epoch)
+    try:
+        order = resumed_order(epoch, phases, rank=req.rank, world_size=world_size,
+                              batch_size=req.batch_size, drop_last=req.drop_last)
+    except PhaseOverrun as e:
+        raise InvalidRequest(f"resumed_from[{e.index}].batches: {e.batches} batches, but each "
+                             f"rank of that phase had {e.available}") from None
+    return order, len(phases)
+
+
+def _resumed_from(req: feed_pb2.StreamRequest, world_size: int, shards: ShardSet | None
+                  ) -> list[tuple[int, int]]:
+    """The request's resumed phases as (world_size, batches), each checked.
+
+    Planning them deals every sample once per phase (order.py), so their number
+    and the world sizes are bounded: a request cannot make a plan cost more than
+    ``_MAX_RESUMED`` passes over the list, or a padding of more than
+    ``_MAX_WORLD_SIZE`` repeats.
+    """
+    phases = req.resumed_from
+    if not phases:
+        return []
+    if req.job:
+        raise InvalidRequest("resumed_from: a shared job serves the whole pass to whichever "
+                             "consumer is free; it has no ranks to resume")
+    if len(phases) > _MAX_RESUMED:
+        raise InvalidRequest(f"resumed_from: {len(phases)} phases, over the bound of "
+                             f"{_MAX_RESUMED}")
+    if world_size > _MAX_WORLD_SIZE:
+        raise InvalidRequest(f"world_size must be at most {_MAX_WORLD_SIZE} to resume an epoch "
+                             f"begun at another world size (resumed_from), got {world_size}")
+    for i, phase in enumerate(phases):
+        if not 0 < phase.world_size <= _MAX_WORLD_SIZE:
+            raise InvalidRequest(f"resumed_from[{i}].world_size must be in "
+                                 f"1..{_MAX_WORLD_SIZE}, got {phase.world_size}")
+        if phase.batches < 0:
+            raise InvalidRequest(f"resumed_from[{i}].batches must be >= 0, got {phase.batches}")
+    if shards and phases[0].world_size > len(shards.paths):
+        raise InvalidRequest(f"resumed_from[0].world_size: {phases[0].world_size} ranks but "
+                             f"{len(shards.paths)} tar shards; each rank read whole shards")
+    return [(phase.world_size, phase.batches) for phase in phases]
 
 
 def _served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:
@@ -388,15 +458,33 @@ def _own_arrays(with_labels: bool, padded: bool) -> list[tuple]:
     return arrays
 
 
-def _array_layout(batch_size: int, reader: ArrayRows, own: list[tuple]) -> BatchLayout:
+def _batch_names(req: feed_pb2.StreamRequest, storage: Storage, paths: SamplePaths | None,
+                 reader: RowReader, prefix: str) -> BatchNames | None:
+    """The names' room in a batch when the request asks for names; else None."""
+    if not req.names:
+        return None
+    assert paths is not None  # located, or the shards' reader made them
+    return BatchNames(name_room(storage, paths, reader, prefix))
+
+
+def _array_layout(batch_size: int, reader: ArrayRows, own: list[tuple],
+                  names: BatchNames | None = None) -> BatchLayout:
     arrays = [(key, spec.dtype, spec.shape) for key, spec in reader.layout.items()]
-    return BatchLayout(batch_size, arrays + own)
+    if names is None:
+        return BatchLayout(batch_size, arrays + own)
+    name_arrays, private, offsets = names.arrays()
+    for key, *_ in name_arrays:
+        if key in reader.layout:
+            raise InvalidRequest(f"names: the array files have a key {key!r}, which the "
+                                 "samples' names take; rename it, or leave names off")
+    return BatchLayout(batch_size, arrays + own + name_arrays, private, offsets)
 
 
 def _image_layout(batch_size: int, transform: OutputTransform, own: list[tuple],
-                  fields: SampleFields | None = None) -> BatchLayout:
-    """image (as asked), index, label, padded, the fields; uint8 pixels and flips as
-    working space."""
+                  fields: SampleFields | None = None, names: BatchNames | None = None
+                  ) -> BatchLayout:
+    """image (as asked), index, label, padded, the fields, the names; uint8 pixels and
+    flips as working space."""
     wire = BFLOAT16 if transform.dtype == torch.bfloat16 else ""
     arrays = [("image", transform.image_dtype, transform.image_shape, wire), *own]
     private = ["flip"]
@@ -405,6 +493,11 @@ def _image_layout(batch_size: int, transform: OutputTransform, own: list[tuple],
         field_arrays, field_private, offsets = fields.arrays()
         arrays += field_arrays
         private += field_private
+    if names is not None:
+        name_arrays, name_private, name_offsets = names.arrays()
+        arrays += name_arrays
+        private += name_private
+        offsets += name_offsets
     arrays.append(("flip", np.bool_, ()))
     if transform.converts:
         arrays.append(("decoded", np.uint8, transform.decoded_shape))
@@ -461,7 +554,7 @@ def _sample_names(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits
         raise InvalidRequest(f"list_file: {req.list_file!r} contains a NUL byte")
     try:
         path = storage.locate(req.list_file)
-        if os.path.isdir(path):
+        if storage.is_directory(path):
             if req.label_source == feed_pb2.LABELS_FROM_LIST_FILE:
                 raise InvalidRequest(f"list_file: {req.list_file!r} is a directory; labels from "
                                      "the list file need a list file")
@@ -478,7 +571,7 @@ def _sample_names(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits
         raise InvalidRequest(f"list_file: cannot read {req.list_file!r}: {e}") from None
     lines = _list_lines(data)
     if req.label_source != feed_pb2.LABELS_FROM_LIST_FILE:
-        return _pack(lines, limits, req.list_file), None, req.prefix
+        return _pack(_unlabelled(lines, req.list_file), limits, req.list_file), None, req.prefix
     labels = array("q")
     names = _pack(_split_labels(lines, labels), limits, req.list_file)
     return (names, np.frombuffer(labels, np.int64) if labels else np.zeros(0, np.int64),
@@ -509,17 +602,64 @@ def _list_lines(data: bytes) -> Iterator[str]:
 
 
 def _split_labels(lines: Iterable[str], labels: array) -> Iterator[str]:
-    """The names of ``path<TAB>label`` lines; their labels are appended to ``labels``."""
+    """The paths of labelled lines; their labels are appended to ``labels``.
+
+    A line is a path and an integer label. If the first line has a TAB, every
+    line is ``path<TAB>label``; otherwise the label is the last whitespace-separated
+    word and the path what comes before it (Caffe's and mmcls's ``path label``):
+    ``my file.jpg 3`` is ``my file.jpg``, 3. Paths may hold spaces either way; the
+    whitespace between path and label is not the path's. Deciding once, from the
+    first line, keeps a line ``frame 12`` of a TAB file an error (a path with no
+    label) instead of a path ``frame`` labelled 12.
+    """
+    tabs = None
     for number, line in enumerate(lines, 1):
-        name, tab, label = line.rpartition("\t")
+        if tabs is None:
+            tabs = "\t" in line
+        split = _split_line(line, tabs)
         try:
-            labels.append(int(label))
+            if split is None:
+                raise ValueError
+            labels.append(split[1])
         except (ValueError, OverflowError):
-            tab = ""
-        if not tab:
-            raise InvalidRequest(f"list_file: line {number} is not `path<TAB>integer label`: "
-                                 f"{line!r}")
-        yield name
+            form = "path<TAB>integer label" if tabs else "path, whitespace, integer label"
+            raise InvalidRequest(f"list_file: line {number} is not `{form}`: {line!r}") from None
+        yield split[0]
+
+
+def _split_line(line: str, tabs: bool) -> tuple[str, int] | None:
+    """(path, label) of a stripped list-file line (``_split_labels``'s rule); None when it
+    has no integer label after a path."""
+    if tabs:
+        name, _, label = line.rpartition("\t")
+    else:
+        words = line.rsplit(None, 1)
+        name, label = words if len(words) == 2 else ("", line)
+    name = name.rstrip()
+    if not name:
+        return None
+    try:
+        return name, int(label)
+    except ValueError:
+        return None
+
+
+def _unlabelled(lines: Iterator[str], list_file: str) -> Iterator[str]:
+    """A list file's lines as paths, for a request that did not ask for its labels;
+    refused when its first line is a labelled one (``_split_labels``'s), as every
+    sample would then fail to be found: a TAB and an integer at its end, or a sample
+    file's name (an image, video or array suffix), whitespace and an integer."""
+    first = next(lines, None)
+    if first is None:
+        return
+    labelled = _split_line(first, tabs="\t" in first)
+    if labelled is not None and ("\t" in first or is_sample_file(labelled[0])):
+        raise InvalidRequest(f"list_file: {list_file!r} has labels (its first line, {first!r}, "
+                             f"is a path and the label {labelled[1]}): pass labels=\"list_file\" "
+                             f"to use them (label_source LABELS_FROM_LIST_FILE), or list paths "
+                             f"only")
+    yield first
+    yield from lines
 
 
 def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
@@ -581,23 +721,24 @@ def _sample_files(names: SampleNames, prefix: str, storage: Storage, max_samples
     for i, name in enumerate(names):
         try:
             path = storage.locate(prefix + name)
-            if is_sample_file(name) or not os.path.isdir(path):
+            if is_sample_file(name) or not is_directory(path, name, storage):
                 found_names.append(name)
                 found_paths.append(path)
                 continue
+            path = as_directory(path)
             listed = list_directory(path, name, storage, max_samples - len(found_paths))
         except OutsideDataRoots as e:
             raise Forbidden(f"samples[{i}]: {e}") from None
         except TooManyFiles as e:
             raise LimitExceeded(f"samples[{i}]: {e}") from None
         except FolderError as e:
-            raise InvalidRequest(f"samples[{i}]: {e}") from None
+            raise (NotFound if e.not_found else InvalidRequest)(f"samples[{i}]: {e}") from None
         if not listed:
             raise InvalidRequest(f"samples[{i}]: the directory {name!r} holds no image, video or "
                                  f"array files")
         start = len(found_paths)
         found_paths += listed
-        found_names += [posixpath.join(name, os.path.relpath(p, path)) for p in listed]
+        found_names += [posixpath.join(name, below(p, path)) for p in listed]
         listings.append(Listing(start, len(found_paths), path))
     if len(found_paths) > max_samples:  # the files named beside the listings
         raise LimitExceeded(f"samples: {len(found_paths)} samples is over the server's "

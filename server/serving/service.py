@@ -265,6 +265,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 num_batches=0 if job else len(plan.batches) - plan.start_batch,
                 classes=plan.classes,
                 start_batch=0 if job else plan.start_batch,
+                resumed_phases=plan.resumed,
             )
             header.MergeFrom(memory.header())  # where the memory is: its own fields
             yield feed_pb2.ServerMessage(header=header)

@@ -173,13 +173,17 @@ class SlotBatch:
                 self._stream.cond.notify_all()
 
     def _read(self, index: int, row: int, decoders: Decoders) -> None:
-        """Sample ``index`` into row ``row``, then the request's sample transforms on it;
-        raises what reading, decoding or a transform raises."""
-        stream = self._stream
-        stream.plan.reader.read_into(stream.storage, stream.plan.paths[index], index,
-                                     self.arrays, row, decoders, stream.metrics.stages)
-        if stream.plan.sample_transforms is not None:
-            stream.plan.sample_transforms.apply(self.arrays, row, index)
+        """Sample ``index`` into row ``row``, then the request's sample transforms on it,
+        then its name when the request asks for names (after the read, so that a sample
+        that fails keeps its own reason); raises what reading, decoding, a transform or
+        a name over its room (batchnames.py) raises."""
+        stream, plan = self._stream, self._stream.plan
+        plan.reader.read_into(stream.storage, plan.paths[index], index, self.arrays, row,
+                              decoders, stream.metrics.stages)
+        if plan.sample_transforms is not None:
+            plan.sample_transforms.apply(self.arrays, row, index)
+        if plan.names is not None:
+            plan.names.write(self.arrays, row, plan.reader.name(stream.storage, plan.paths, index))
 
     def _refill(self, decoders: Decoders) -> np.ndarray:
         """The sample index that stands in for a batch whose every sample failed, read into
@@ -216,7 +220,8 @@ class SlotBatch:
 
     def _finish(self, decoders: Decoders) -> None:
         """Close the gaps failed rows left (a split over ranks refills an empty batch),
-        fill index/label/padded, run the batch pass on the host."""
+        fill index/label/padded, pack the variable-length fields and names, run the
+        batch pass on the host."""
         plan = self._stream.plan
         ok = np.ones(len(self.indices), dtype=bool)
         for row, _, _ in self._failed_rows:
@@ -244,6 +249,8 @@ class SlotBatch:
             self.arrays["padded"][:rows] = padded
         if plan.fields is not None:
             self.lengths = plan.fields.pack(self.arrays, rows)
+        if plan.names is not None:
+            self.lengths.update(plan.names.pack(self.arrays, rows))
         if not self._stream.cancelled:
             self._stream.memory.filled(self._stream.ring.slot(self.slot), rows)
         self._stream.metrics.stages["batch"].observe(time.perf_counter() - self._started)

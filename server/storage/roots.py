@@ -31,6 +31,14 @@ another version's bytes at the index's offsets.
 Loose S3 files are images only, read ahead as shard samples are (readahead.py):
 video and array readers need a seekable local file, and fail such a sample
 saying so.
+
+S3 has no directories, only keys; a "directory" is a prefix ending in "/"
+(``is_directory``), and ``list_objects`` lists what lies under one with
+ListObjectsV2, a page at a time, so that a caller counting what it keeps stops
+a listing of a hundred million keys at its bound. What a listing yields obeys
+``locate``'s rules: a key outside the prefix asked for, or with a ``..``
+segment (which an HTTP client or proxy on the way may resolve into another
+key), is refused as OutsideDataRoots, never read.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import os
 import posixpath
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 from .paths import DEFAULT_MAX_FILE_BYTES, DataRoots, FileTooLarge, OutsideDataRoots
@@ -61,6 +69,8 @@ S3_CONNECT_TIMEOUT = 10.0
 # thread a minute per attempt. Three attempts of a request that never answers stay well
 # inside --lease-timeout's 300 s.
 S3_READ_TIMEOUT = 30.0
+# Keys per ListObjectsV2 page: S3's own maximum, and its default.
+_LIST_PAGE = 1000
 # Bytes read at a time over members' data while an object's index reads through it.
 _SKIP_CHUNK = 1 << 20
 _READ_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -163,7 +173,10 @@ class Storage:
         if name.startswith("/") or rel == ".." or rel.startswith("../"):
             raise OutsideDataRoots(f"{name!r} is not under a data root")
         root = self._s3_roots[0]
-        return f"{_S3}{root.bucket}/{posixpath.join(root.prefix, rel).lstrip('/')}"
+        key = root.prefix if rel == "." else posixpath.join(root.prefix, rel)
+        if rel == "." or name.endswith("/"):  # a directory named as one stays one
+            key += "/"
+        return f"{_S3}{root.bucket}/{key.lstrip('/')}"
 
     def shown(self, path: str) -> str:
         """A located path as a request would name it, for messages (an S3 URL in full)."""
@@ -177,6 +190,53 @@ class Storage:
             bucket, key = _split_s3(path)
             return next((r.url for r in self._s3_roots if r.holds(bucket, key)), None)
         return self._local.root_of(path) if self._local is not None else None
+
+    # -- listings ----------------------------------------------------------
+
+    def is_directory(self, path: str) -> bool:
+        """Whether a located path is a directory: for a local one, the file system says;
+        an S3 URL is one when it ends in "/", or when an object lies under it (one LIST
+        of one key): ``s3://b/val`` is a directory if ``s3://b/val/x`` exists."""
+        if not is_s3(path):
+            return os.path.isdir(path)
+        if path.endswith("/"):
+            return True
+        bucket, key = _split_s3(path)
+        with _s3_errors(path):
+            reply = self._client.list_objects_v2(Bucket=bucket, Prefix=key + "/", MaxKeys=1)
+        return bool(reply.get("Contents") or reply.get("CommonPrefixes"))
+
+    def list_objects(self, directory: str, first_level: bool = False) -> Iterator[str]:
+        """The names under an S3 ``directory`` (a located URL ending in "/"), relative to
+        it, as ListObjectsV2 gives them, one page at a time: a caller that stops early
+        asks for no more pages. Every key under it, recursively (a "directory marker"
+        key ending in "/" too); with ``first_level``, the keys directly in it and its
+        first-level "directories" (``name/``), the delimiter's common prefixes.
+
+        The store's order is not relied on (SeaweedFS lists in another order than
+        AWS's byte order). OutsideDataRoots for a directory under no root, a key
+        outside it or one with a ``..`` segment; the OSError kinds of ``_s3_errors``
+        for a failed LIST (FileNotFoundError: no such bucket).
+        """
+        bucket, prefix = _split_s3(directory)
+        if not directory.endswith("/") or self.root_of(directory) is None:
+            raise OutsideDataRoots(f"{directory!r} is not a directory under an S3 data root")
+        extra = {"Delimiter": "/"} if first_level else {}
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=prefix, **extra, PaginationConfig={"PageSize": _LIST_PAGE})
+        with _s3_errors(directory):
+            for page in pages:
+                names = [entry["Key"] for entry in page.get("Contents", ())]
+                names += [entry["Prefix"] for entry in page.get("CommonPrefixes", ())]
+                for key in names:
+                    url = f"{_S3}{bucket}/{key}"
+                    if not key.startswith(prefix):
+                        raise OutsideDataRoots(f"the listing of {directory!r} answered {url!r}, "
+                                               f"which is not under it")
+                    if ".." in key.split("/"):
+                        raise OutsideDataRoots(f"{url!r} (under {directory!r}) has a '..' "
+                                               f"segment: refused, never resolved")
+                    yield key[len(prefix):]
 
     # -- reads -------------------------------------------------------------
 

@@ -82,8 +82,10 @@ The order of a pass (shards dealt to ranks whole, a shuffle buffer within a
 rank's stream, padding to the longest rank) is serving/order.py's ``tar_order``,
 over ``ShardSet.first``. The plan holds 8 bytes of order, about 40 bytes of
 index per sample (16 more per member extension beyond image and label, which a
-request's fields may name; a shard's first 32 such extensions are indexed) and
-a byte for which samples the stream reads (chunks.py), plus each shard's path.
+request's fields may name; a shard's first 32 such extensions are indexed), its
+key (its bytes and 4 more: a sample's name, ``loader(names=True)``, is its shard's
+and its key) and a byte for which samples the stream reads (chunks.py), plus each
+shard's path.
 
 Resume is exact at any batch (the position the client sends), since the order
 is computed whole at plan time. A shard whose data ends early (truncated)
@@ -233,10 +235,29 @@ class ShardIndex:
     version: str = ""
     # Why the index stopped before the shard's end ("" when it read to the end).
     ended: str = ""
+    # Each sample's key, its members' bytes up to the first dot of the file name, back
+    # to back: sample n's ends at key_ends[n] (a sample's name, ``ShardRows.name``).
+    keys: bytes = b""
+    key_ends: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
 
     @property
     def samples(self) -> int:
         return len(self.failure) if not self.problem else 1
+
+    def key(self, n: int) -> str:
+        """Sample ``n``'s key, as the tar names it ("" when the shard has no keys: a
+        problem); bytes that are not UTF-8 kept as surrogates, as the index reads them."""
+        if not 0 <= n < len(self.key_ends):
+            return ""
+        start = int(self.key_ends[n - 1]) if n else 0
+        return self.keys[start:int(self.key_ends[n])].decode("utf-8", "surrogateescape")
+
+    @property
+    def longest_key(self) -> int:
+        """The most bytes a sample's key has (0 without samples)."""
+        if not len(self.key_ends):
+            return 0
+        return int(np.diff(self.key_ends.astype(np.int64), prepend=0).max())
 
 
 class _Samples:
@@ -253,6 +274,8 @@ class _Samples:
         self._others: dict[str, tuple[list[int], list[int], list[int]]] = {}  # samples, ...
         self._key: str | None = None  # the open sample's
         self._seen: set[str] = set()  # its other extensions
+        self._keys = bytearray()  # every sample's key, back to back
+        self._key_ends: list[int] = []
 
     @property
     def samples(self) -> int:
@@ -289,6 +312,8 @@ class _Samples:
     def _open(self, key: str) -> None:
         self._key = key
         self._seen.clear()
+        self._keys += key.encode("utf-8", "surrogateescape")
+        self._key_ends.append(len(self._keys))
         self._image_offset.append(-1)
         self._image_size.append(0)
         self._label_offset.append(-1)
@@ -317,8 +342,10 @@ class _Samples:
             at, sized = np.full(count, -1, np.int64), np.zeros(count, np.int64)
             at[samples], sized[samples] = offsets, sizes
             others[suffix] = (at, sized)
+        ends = np.asarray(self._key_ends, np.uint32 if len(self._keys) < 1 << 32 else np.int64)
         return ShardIndex("", image_offset, image_size, label_offset, label_size, failure,
-                          others, version=version, ended=ended)
+                          others, version=version, ended=ended, keys=bytes(self._keys),
+                          key_ends=ends)
 
 
 def _unreadable(why: str, error: type[Exception] = DecodeError) -> ShardIndex:
@@ -491,9 +518,10 @@ class ShardSet:
     def nbytes(self) -> int:
         arrays = [self.first, self.sample_shard] + [
             a for i in self.indexes for a in (i.image_offset, i.image_size, i.label_offset,
-                                               i.label_size, i.failure)] + [
+                                               i.label_size, i.failure, i.key_ends)] + [
             a for i in self.indexes for pair in i.others.values() for a in pair]
-        return sum(a.nbytes for a in arrays) + sum(len(p) for p in self.paths)
+        return sum(a.nbytes for a in arrays) + sum(len(p) for p in self.paths) + \
+            sum(len(i.keys) for i in self.indexes)
 
     def unreadable(self) -> list[tuple[str, str]]:
         return [(p, i.problem) for p, i in zip(self.paths, self.indexes) if i.problem]
@@ -573,6 +601,22 @@ class ShardRows(RowReader):
         and its local shards are closed."""
         self._chunks.forget(storage)
         self._files.close()
+
+    def name(self, storage: Storage, paths: SamplePaths, index: int) -> str:
+        """``shard/key``: the shard as failures name it (relative to its data root, an S3
+        URL in full), then the sample's key (WebDataset's ``__key__``); the shard alone
+        for a sample without one (a shard that could not be read)."""
+        shard = int(self.shards.sample_shard[index])
+        key = self.shards.indexes[shard].key(index - int(self.shards.first[shard]))
+        shown = storage.shown(self.shards.paths[shard])
+        return f"{shown}/{key}" if key else shown
+
+    def longest_name(self, storage: Storage) -> int:
+        """The most bytes ``name`` gives any sample: each shard's name, a '/' and its
+        longest key (one call per shard, none per sample)."""
+        return max((len(storage.shown(path).encode("utf-8", "surrogateescape")) + 1
+                    + index.longest_key for path, index in zip(self.shards.paths,
+                                                               self.shards.indexes)), default=0)
 
     def _span(self, sample: int) -> Span | None:
         """(shard, offset, size, version) of the bytes holding a sample's members; None if
