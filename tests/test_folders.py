@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from gpufeed.client import FeedClient, FeedError
+from gpufeed.client import FeedClient, FeedError, names
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
 
@@ -186,3 +186,25 @@ def test_a_symlink_loop_is_refused(feed, tree):
         list(feed.loader(files="loop/", batch_size=2, size=(8, 8)))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "loop/a/again" in str(info.value) and "listed already" in str(info.value)
+
+
+def test_file_names_that_are_not_utf8_are_served_and_named(tmp_path):
+    """A file name need not be UTF-8 on Linux: such a file is listed and served like any
+    other, named as os.listdir names it (surrogate escapes), and a failure naming one
+    still reaches the trainer (the escape written out), the pass going on."""
+    good = encode_jpeg(synthetic_photo(np.random.default_rng(3), 24, 32))
+    folder = tmp_path / "tree" / "cls"
+    folder.mkdir(parents=True)
+    for name, data in ((b"ok.jpg", good), (b"caf\xe9.jpg", good), (b"bad\xff.jpg", b"junk")):
+        with open(os.path.join(os.fsencode(folder), name), "wb") as f:
+            f.write(data)
+    with ServerProcess(["--data-root", str(tmp_path)]) as server, \
+            FeedClient(server.address) as feed:
+        loader = feed.loader(files="tree/", labels="folder", batch_size=3, size=(16, 16),
+                             names=True, failure_budget=1)
+        served = {name: index for batch in loader
+                  for name, index in zip(names(batch), batch["index"].tolist())}
+    on_disk = sorted(os.listdir(folder))  # str: surrogate escapes for the non-UTF-8 bytes
+    assert sorted(served) == [f"tree/cls/{n}" for n in on_disk if n != "bad\udcff.jpg"]
+    (failure,) = loader.failures
+    assert failure.category == "undecodable" and "tree/cls/bad\\udcff.jpg" in failure.reason

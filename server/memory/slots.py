@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import wire_text
 
 from .ring import BatchLayout
 
@@ -94,7 +95,7 @@ def batch_fields(batch: FilledBatch, layout: BatchLayout) -> feed_pb2.Batch:
     tensor's name, dtype, shape and offset in the slot."""
     fields = feed_pb2.Batch(seq=batch.seq, slot=batch.slot)
     for index, category, reason in batch.failures:
-        fields.failures.add(index=index, category=category, reason=reason)
+        fields.failures.add(index=index, category=category, reason=wire_text(reason))
     if batch.rows:
         for place in layout.tensors:
             fields.tensors.add(name=place.name, dtype=place.wire_dtype or place.dtype.name,

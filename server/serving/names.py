@@ -42,7 +42,7 @@ class SampleNames(Sequence[str]):
         chunks: list[bytes] = []
         lengths: list[np.ndarray] = []
         count = 0
-        while chunk := [name.encode() for name in islice(names, _CHUNK)]:
+        while chunk := [name.encode(errors="surrogateescape") for name in islice(names, _CHUNK)]:
             count += len(chunk)
             if limit is not None and count > limit:
                 raise TooManyNames(f"more than {limit} names")
@@ -70,11 +70,11 @@ class SampleNames(Sequence[str]):
             raise IndexError(f"name {index} of {len(self)}")
         index %= len(self)
         start = int(self._ends[index - 1]) if index else 0
-        return self._blob[start:int(self._ends[index])].decode()
+        return self._blob[start:int(self._ends[index])].decode(errors="surrogateescape")
 
     def contains(self, part: str) -> bool:
         """Whether ``part`` occurs in a name (or across two: a cheap, conservative test)."""
-        return self._blob.find(part.encode()) >= 0
+        return self._blob.find(part.encode(errors="surrogateescape")) >= 0
 
     def any_starts_with(self, char: str) -> bool:
         """Whether a name starts with the one-byte ``char``."""
@@ -86,5 +86,5 @@ class SampleNames(Sequence[str]):
         blob, start = self._blob, 0
         for first in range(0, len(self), _CHUNK):
             for end in self._ends[first:first + _CHUNK].tolist():
-                yield blob[start:end].decode()
+                yield blob[start:end].decode(errors="surrogateescape")
                 start = end

@@ -26,7 +26,7 @@ import grpc
 
 import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
-from gpufeed.v1.vocabulary import UNREAD, transport_name
+from gpufeed.v1.vocabulary import UNREAD, transport_name, wire_text
 
 from ..config import Limits
 from ..media.samples import Decoders
@@ -310,6 +310,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
 
 def _status_message(message: str) -> str:
     """``message``, or its start and end when over ``_STATUS_MESSAGE_BYTES``."""
+    message = wire_text(message)
     data = message.encode()
     if len(data) <= _STATUS_MESSAGE_BYTES:
         return message

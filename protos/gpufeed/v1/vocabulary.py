@@ -30,7 +30,7 @@ from . import feed_pb2
 
 __all__ = ["BFLOAT16", "FAILURE_CATEGORIES", "INLINE_ALIGN", "NO_SLOT_MEMORY", "OUTPUT_DTYPES",
            "SHM_DIR", "SLOT_ALIGN", "TRANSPORTS", "UNREAD", "carrier_dtype",
-           "failure_category_name", "transport_name"]
+           "failure_category_name", "transport_name", "wire_text"]
 
 
 def _names(enum, prefix: str) -> dict[str, int]:
@@ -77,3 +77,14 @@ def failure_category_name(category: int) -> str:
 def carrier_dtype(name: str) -> np.dtype:
     """The numpy dtype holding a wire dtype's bytes: itself, or uint16 for bfloat16."""
     return np.dtype(np.uint16) if name == BFLOAT16 else np.dtype(name)
+
+
+def wire_text(text: str) -> str:
+    """``text`` as a protobuf string or a gRPC status can carry it: valid UTF-8.
+
+    A path made from a file name that is not UTF-8 holds lone surrogates (the
+    server keeps such names as Python's ``surrogateescape`` makes them, so the file
+    can still be opened); they are written as ``\\udcff``-style escapes here, so a
+    failure's reason or a refusal naming such a file still arrives, readable.
+    """
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
