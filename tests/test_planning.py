@@ -12,9 +12,11 @@ import signal
 import textwrap
 
 import grpc
+import numpy as np
 import pytest
 
 from gpufeed.server.config import Limits
+from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
 from gpufeed.server.serving.planning import PlanStopped
 from gpufeed.server.serving.request import plan_stream
@@ -55,6 +57,18 @@ def test_a_stopped_plan_indexes_no_shard(tmp_path):
     assert asked
     plan = plan_stream(request, storage, Limits(), (feed_pb2.TRANSPORT_INLINE,))
     assert plan.num_samples == 9
+
+
+def test_a_stopped_plan_stops_listing_a_directory_tree(tmp_path):
+    for d in range(3):  # an ImageFolder tree
+        (tmp_path / "tree" / f"class{d}").mkdir(parents=True)
+        (tmp_path / "tree" / f"class{d}" / "a.jpg").write_bytes(
+            encode_jpeg(synthetic_photo(np.random.default_rng(d), 8, 8)))
+    request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=["tree/"]), batch_size=2,
+                                     output=feed_pb2.OutputSpec(height=8, width=8))
+    storage = Storage([str(tmp_path)])
+    with pytest.raises(PlanStopped, match="'tree/' was listed"):
+        plan_stream(request, storage, Limits(), (feed_pb2.TRANSPORT_INLINE,), lambda: True)
 
 
 @pytest.fixture()

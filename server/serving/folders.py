@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,9 +44,13 @@ from ..media.samples import is_sample_file
 from ..storage.paths import LocatedPaths, OutsideDataRoots
 from ..storage.roots import Storage, is_s3
 from .names import SampleNames
+from .planning import PlanStopped
 
 __all__ = ["FolderError", "Listing", "SampleFiles", "as_directory", "below", "folder_labels",
            "is_directory", "list_directory"]
+
+# Keys listed between two looks at whether the call still wants them (an S3 page's worth).
+_STOP_CHECK_KEYS = 1000
 
 
 class FolderError(ValueError):
@@ -103,17 +107,19 @@ def below(path: str, directory: str) -> str:
     return path[len(directory):] if is_s3(directory) else os.path.relpath(path, directory)
 
 
-def list_directory(directory: str, name: str, storage: Storage, limit: int) -> list[str]:
+def list_directory(directory: str, name: str, storage: Storage, limit: int,
+                   stopped: Callable[[], bool] = lambda: False) -> list[str]:
     """The sample files under ``directory`` (located; ``as_directory``'s), in ImageFolder's
     order.
 
     ``name`` is how the request named it, for messages. Raises OutsideDataRoots
     for a directory (or a symlinked one under it) that resolves outside the
     roots, FolderError for a symlink loop, an unreadable directory, or more than
-    ``limit`` files.
+    ``limit`` files; PlanStopped once ``stopped()`` (checked per directory, or per
+    page of S3 keys): a tree or a bucket can take minutes to list.
     """
     if is_s3(directory):
-        return _list_prefix(directory, name, storage, limit)
+        return _list_prefix(directory, name, storage, limit, stopped)
     if storage.root_of(os.path.realpath(directory)) is None:
         raise OutsideDataRoots(f"{name!r} resolves outside the data roots")
     files, subdirs = [], []
@@ -126,14 +132,16 @@ def list_directory(directory: str, name: str, storage: Storage, limit: int) -> l
     seen = {os.path.realpath(directory)}
     for subdir in sorted(subdirs):
         _check_limit(len(files), limit, name)
-        walked = _walk(os.path.join(directory, subdir), name, storage, seen, limit - len(files))
+        walked = _walk(os.path.join(directory, subdir), name, storage, seen, limit - len(files),
+                       stopped)
         for parent, names in sorted(walked):
             files.extend(os.path.join(parent, n) for n in sorted(names))
     _check_limit(len(files), limit, name)
     return files
 
 
-def _list_prefix(directory: str, name: str, storage: Storage, limit: int) -> list[str]:
+def _list_prefix(directory: str, name: str, storage: Storage, limit: int,
+                 stopped: Callable[[], bool]) -> list[str]:
     """``list_directory`` for S3: the sample objects under ``directory`` in the order of the
     same tree on disk, each once. FolderError (not found) when no key at all lies under
     it: S3 cannot tell an empty prefix from a missing one."""
@@ -142,6 +150,8 @@ def _list_prefix(directory: str, name: str, storage: Storage, limit: int) -> lis
     try:
         for key in storage.list_objects(directory):
             keys += 1
+            if keys % _STOP_CHECK_KEYS == 0:
+                _check_stopped(stopped, name)
             if is_sample_file(key):
                 found.append(key)
                 _check_limit(len(found), limit, name)
@@ -166,6 +176,11 @@ def _on_disk(key: str) -> tuple[int, str, str, str]:
         return 0, "", "", key
     parent, _, file = key.rpartition("/")
     return 1, folder, parent, file
+
+
+def _check_stopped(stopped: Callable[[], bool], name: str) -> None:
+    if stopped():
+        raise PlanStopped(f"the call ended while {name!r} was listed")
 
 
 def _check_limit(count: int, limit: int, name: str) -> None:
@@ -193,8 +208,8 @@ def _is_dir(entry: os.DirEntry) -> bool:
         return False
 
 
-def _walk(top: str, name: str, storage: Storage, seen: set[str], limit: int
-          ) -> list[tuple[str, list[str]]]:
+def _walk(top: str, name: str, storage: Storage, seen: set[str], limit: int,
+          stopped: Callable[[], bool]) -> list[tuple[str, list[str]]]:
     """(directory, sample file names) for every directory under ``top``, ``top`` included.
 
     ``seen`` holds the real paths already walked: reaching one again (a symlink
@@ -208,6 +223,7 @@ def _walk(top: str, name: str, storage: Storage, seen: set[str], limit: int
                           f"{error.strerror or error}")
 
     for parent, _, files in os.walk(top, onerror=fail, followlinks=True):
+        _check_stopped(stopped, name)
         real = os.path.realpath(parent)
         if storage.root_of(real) is None:
             raise OutsideDataRoots(f"{storage.shown(parent)!r} (under {name!r}) resolves "

@@ -153,7 +153,7 @@ def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
     if shards:
         paths, labels, classes, kind = None, None, [], IMAGE
     else:
-        samples = _sample_files(names, prefix, storage, limits.max_samples)
+        samples = _sample_files(names, prefix, storage, limits.max_samples, stopped)
         names, paths = samples.names, samples.paths
         labels, classes = _labels(req, samples, listed_labels, storage)
         try:
@@ -702,8 +702,8 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
     return shards
 
 
-def _sample_files(names: SampleNames, prefix: str, storage: Storage, max_samples: int
-                  ) -> SampleFiles:
+def _sample_files(names: SampleNames, prefix: str, storage: Storage, max_samples: int,
+                  stopped: Callable[[], bool] = lambda: False) -> SampleFiles:
     """Located paths, each directory among them replaced by the files under it.
 
     Only a name without an image, video or array suffix costs a system call
@@ -726,7 +726,8 @@ def _sample_files(names: SampleNames, prefix: str, storage: Storage, max_samples
                 found_paths.append(path)
                 continue
             path = as_directory(path)
-            listed = list_directory(path, name, storage, max_samples - len(found_paths))
+            listed = list_directory(path, name, storage, max_samples - len(found_paths),
+                                    stopped)
         except OutsideDataRoots as e:
             raise Forbidden(f"samples[{i}]: {e}") from None
         except TooManyFiles as e:
