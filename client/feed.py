@@ -13,6 +13,7 @@ from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import TRANSPORTS
 
 from .connection import Connection
+from .discovery import Servers
 from .errors import FeedError
 from .fields import Field, field_specs
 from .loader import Loader
@@ -65,10 +66,14 @@ def _json_value(value: Any) -> Any:
 class FeedClient:
     """Connections to ``address`` ("host:port", or several). A context manager.
 
-    With several addresses, a loader deals its pass's batches over the servers
-    in turn and moves a server's part to another if it goes away (see
-    loader.py). ``credentials`` (e.g. ``grpc.ssl_channel_credentials(ca_pem)``)
-    makes the channels TLS; ``token`` is sent as ``authorization: Bearer
+    An address may be a gRPC ``dns:`` target, ``dns:///name:port`` (or
+    ``dns://DNS-SERVER/name:port``), which stands for every address the name
+    resolves to, asked again at each new pass and when a server is lost: a
+    Kubernetes headless Service's name is its ready pods (discovery.py).
+    With several servers, a loader deals its pass's batches over them in turn
+    and moves a server's part to another if it goes away (see loader.py).
+    ``credentials`` (e.g. ``grpc.ssl_channel_credentials(ca_pem)``) makes the
+    channels TLS; ``token`` is sent as ``authorization: Bearer
     <token>`` on every call. A server that has not answered within
     ``connect_timeout`` seconds of the first call to it is an error (UNAVAILABLE,
     naming its address).
@@ -79,9 +84,14 @@ class FeedClient:
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses:
             raise ValueError("FeedClient needs at least one server address")
-        self.servers = [Connection(a, connect_timeout=connect_timeout, credentials=credentials,
-                               token=token) for a in addresses]
+        self._servers = Servers(addresses, lambda a: Connection(
+            a, connect_timeout=connect_timeout, credentials=credentials, token=token))
         self.address = ",".join(addresses)
+
+    @property
+    def servers(self) -> list[Connection]:
+        """The servers up now (``dns:`` targets resolved again)."""
+        return self._servers.current()
 
     def __enter__(self) -> FeedClient:
         return self
@@ -90,8 +100,7 @@ class FeedClient:
         self.close()
 
     def close(self) -> None:
-        for server in self.servers:
-            server.close()
+        self._servers.close()
 
     def info(self) -> feed_pb2.InfoResponse:
         """The first server's Info."""
@@ -210,7 +219,7 @@ class FeedClient:
         else:
             request.files.paths.extend(os.fspath(f) for f in files)
         try:
-            return Loader(self.servers, request, copy=copy, reconnect_timeout=reconnect_timeout)
+            return Loader(self._servers, request, copy=copy, reconnect_timeout=reconnect_timeout)
         except FeedError as e:
             raise _in_loader_terms(e) from None
 

@@ -44,7 +44,10 @@ batch_offset), and the loader yields them in the pass's order. The order is
 therefore the same whatever the number of servers, and a position saved with
 one resumes with another. When a server goes away, its part moves to the next
 server at its own position: nothing is lost or repeated. Taking batches in
-turn means the slowest server sets the pace.
+turn means the slowest server sets the pace. The servers are asked again
+(discovery.py: a DNS name stands for every address behind it) at each pass
+from an epoch's start, which is then dealt over the servers up at that time,
+and when a server is lost, so that one that appeared can take a lost part.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ import torch
 from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import UNREAD, transport_name
 
-from .connection import Connection
+from .discovery import Servers
 from .errors import FeedError
 from .failures import SampleFailure
 from .fingerprint import check_fingerprint, request_fingerprint
@@ -77,9 +80,9 @@ _MIXING = 0x6D6978  # batch_rng's stream: apart from any per-sample generator's
 class _Part:
     """One server's share of the pass (every P-th batch), and how far it has got."""
 
-    def __init__(self, number: int):
+    def __init__(self, number: int, server: str):
         self.number = number  # part k of n: the pass's batches k, k + n, ... (the server's rule)
-        self.server = number  # the server serving it now; moves on when that one goes away
+        self.server = server  # the address serving it now; moves on when that one goes away
         self.consumed = 0  # batches of this part already yielded this epoch
         # A position in the whole pass (load_state_dict) not yet opened: the server
         # says where it falls in this part (the header's start_batch).
@@ -116,7 +119,7 @@ class _EpochSampler:
 class Loader:
     """An iterable of batches (``dict[str, torch.Tensor]``) over one or more servers.
 
-    Made by ``FeedClient.loader`` with the servers' ``Connection``s and the
+    Made by ``FeedClient.loader`` with its ``Servers`` (discovery.py) and the
     checked request. Each ``iter(loader)`` is one pass: from the loader's
     position to its epoch's end (the module docstring). The loader keeps the
     pass's position (batches yielded, per server part), interleaves the parts
@@ -126,7 +129,7 @@ class Loader:
     Not thread-safe: one trainer thread iterates it.
     """
 
-    def __init__(self, servers: list[Connection], request: feed_pb2.StreamRequest, *, copy: bool,
+    def __init__(self, servers: Servers, request: feed_pb2.StreamRequest, *, copy: bool,
                  reconnect_timeout: float):
         self._opened: dict[int, OpenStream] = {}  # opened ahead for the chosen pass, by part
         self._servers = servers
@@ -134,7 +137,7 @@ class Loader:
         self._copy = copy
         self._reconnect_timeout = reconnect_timeout
         self._fingerprint = request_fingerprint(request)
-        self._parts = [_Part(i) for i in range(len(servers))]
+        self._parts = self._new_parts()
         self._world_size = request.world_size or 1
         # The epoch's earlier phases when it was resumed at another world size (resume.py).
         self._phases: tuple[tuple[int, int], ...] = ()
@@ -148,9 +151,15 @@ class Loader:
         self.failures: list[SampleFailure] = []  # (index, reason) pairs, with .category
         # The last yielded batch's epoch and place in its pass (batch_rng).
         self._position: tuple[int, int] | None = None
+        self._open_ahead()
+
+    def _open_ahead(self) -> None:
+        """Open every part's stream for the next pass now (a refused request fails here;
+        the headers say how many batches a pass has)."""
         try:
             for part in self._parts:
-                self._opened[part.number] = self._open_retrying(part)
+                if part.number not in self._opened:
+                    self._opened[part.number] = self._open_retrying(part)
         except BaseException:
             self._close_opened()
             raise
@@ -178,10 +187,11 @@ class Loader:
 
     def __len__(self) -> int:
         """Batches in a pass of this rank (a shared job's depend on its consumers)."""
-        total = self._pass_total()
-        if total is None:
+        if self._request.job:
             raise TypeError("a shared job's loader has no length: its consumers share the batches")
-        return total
+        if self._pass_total() is None:  # the servers changed since a stream last said: ask
+            self._open_ahead()
+        return self._pass_total() or 0
 
     def _pass_total(self) -> int | None:
         """Batches in a pass over every part; None for a shared job's (not known)."""
@@ -251,6 +261,28 @@ class Loader:
         self._chosen = True
         self._pass = None
 
+    def _deal_over_servers_up(self) -> None:
+        """A pass that starts at an epoch's start, or at a saved position, is dealt over
+        the servers up now (asked again); one that continues a pass left early keeps
+        its parts, as do streams already opened for it."""
+        start = next((part.pass_start for part in self._parts if part.pass_start is not None),
+                     None)
+        if self._opened or not (start is not None or all(p.consumed == 0 for p in self._parts)):
+            return
+        self._parts = self._new_parts()
+        for part in self._parts:
+            part.pass_start = start
+
+    def _new_parts(self) -> list[_Part]:
+        """One part per server up now (discovery.py asks DNS names again), at the start;
+        each keeps the batch count its number had, when the number of parts is the same."""
+        parts = [_Part(i, server.address) for i, server in enumerate(self._servers.current())]
+        old = getattr(self, "_parts", [])
+        if len(old) == len(parts):
+            for part, before in zip(parts, old):
+                part.total = before.total
+        return parts
+
     def _close_opened(self) -> None:
         for stream in self._opened.values():
             stream.close()
@@ -263,6 +295,7 @@ class Loader:
         this = object()
         if self._at_end():  # every batch taken, but that pass never asked for more
             self._begin(self._request.epoch + 1)
+        self._deal_over_servers_up()
         self._pass, self._chosen = this, False
         self.failures = []
         streams: dict[int, Generator[dict[str, torch.Tensor], None, None]] = {}
@@ -326,7 +359,7 @@ class Loader:
 
     def _open(self, part: _Part, outage: _Outage) -> OpenStream:
         """A stream of ``part`` from its position, on its server; the header's facts noted."""
-        server = self._servers[part.server]
+        server = self._servers.connection(part.server)
         request = feed_pb2.StreamRequest()
         request.CopyFrom(self._request)
         auto = request.transport == feed_pb2.TRANSPORT_AUTO
@@ -367,7 +400,7 @@ class Loader:
     def _recover(self, part: _Part, error: grpc.RpcError | FeedError, outage: _Outage) -> None:
         """Move ``part`` to the next server after an outage, waiting between rounds;
         raise ``error`` as a FeedError if it is not an outage, or has lasted too long."""
-        server = self._servers[part.server]
+        server = self._servers.connection(part.server)
         code, details = _status(error)
         if code != grpc.StatusCode.UNAVAILABLE or self._reconnect_timeout <= 0 \
                 or not server.answered:
@@ -379,16 +412,27 @@ class Loader:
             raise FeedError(grpc.StatusCode.UNAVAILABLE,
                             f"gave up after {self._reconnect_timeout:g} s without a batch "
                             f"from {server.address}: {details}") from None
-        part.server = (part.server + 1) % len(self._servers)
+        part.server = self._next_server(part)
         # A stream opened ahead that the trainer left unread past the server's lease
         # timeout (an evaluation loader while the trainer trains) is routine: quiet.
         level = logging.INFO if UNREAD in details else logging.WARNING
         _log.log(level, "stream from %s interrupted (%s); resuming at batch %d on %s",
-                 server.address, details, part.consumed, self._servers[part.server].address)
+                 server.address, details, part.consumed, part.server)
         outage.tried += 1
-        if outage.tried >= len(self._servers):  # every server tried: wait before the next round
+        if outage.tried >= len(self._servers.current()):  # every server tried: wait a round
             time.sleep(outage.backoff)
             outage.backoff, outage.tried = min(2 * outage.backoff, _MAX_BACKOFF), 0
+
+    def _next_server(self, part: _Part) -> str:
+        """Where a part goes when its server is lost: a server up now (asked again: one may
+        have appeared) that serves no other part of the pass, else the next one in order."""
+        up = [server.address for server in self._servers.current()]
+        busy = {other.server for other in self._parts if other is not part}
+        idle = [address for address in up if address not in busy and address != part.server]
+        if idle:
+            return idle[0]
+        at = up.index(part.server) if part.server in up else -1
+        return up[(at + 1) % len(up)]
 
     def _note_failures(self, failures) -> None:
         for failure in map(SampleFailure.from_wire, failures):
