@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda:N to assemble batches on that GPU and offer cuda_ipc "
                         "(default %(default)s)")
+    p.add_argument("--decoder", default=ServerConfig.decoder, choices=("cpu", "nvimgcodec"),
+                   help="cpu: JPEGs decoded by libjpeg-turbo on the decode threads; nvimgcodec: "
+                        "a batch at a time by nvImageCodec on --device (a GPU, or its CPU "
+                        "backend), other formats on the decode threads (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="port for Prometheus /metrics, on the --listen host (0: off)")
     p.add_argument("--max-streams", type=int, default=64,
@@ -182,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
 
         from .app import FeedServer
         from .auth import read_token
-        from .media import jpeg
     except ModuleNotFoundError as e:
         if e.name not in _SERVER_EXTRA:
             raise
@@ -212,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             io_threads=args.io_threads, read_ahead_bytes=args.read_ahead_bytes,
             s3_connect_timeout=args.s3_connect_timeout, s3_read_timeout=args.s3_read_timeout,
             plugins=plugins, token=read_token(args.token_file) if args.token_file else None,
+            decoder=args.decoder,
         )
         server = FeedServer(config)
     except (OSError, ValueError, RuntimeError) as e:
@@ -230,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     if server.metrics.address:  # before the ready line, so whoever waits for it has both
         lifecycle.info(
             "gpufeed-server metrics on http://%s/metrics", server.metrics.address)
-    logging.getLogger("gpufeed.server").info(jpeg.describe())
     lifecycle.info(
         "gpufeed-server ready on %s (data roots: %s; %d decode threads)",
         server.address, ", ".join(config.data_roots), config.threads)

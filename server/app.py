@@ -11,6 +11,7 @@ from concurrent import futures
 from functools import partial
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -19,6 +20,7 @@ from gpufeed.v1 import feed_pb2
 from . import transforms
 from .auth import TokenInterceptor, server_credentials
 from .config import ServerConfig
+from .media import batch_jpeg, jpeg
 from .media.pipeline import set_process_count, shutdown_processes
 from .media.samples import Decoders
 from .memory.shm import ShmNamespace
@@ -62,6 +64,23 @@ def _load_plugins(modules: list[str], threads: int) -> None:
     set_process_count(threads)
 
 
+def _batch_device(config: ServerConfig) -> torch.device | None:
+    """Where JPEGs are decoded a batch at a time (``--decoder nvimgcodec``: the server's
+    --device, a GPU or the CPU backend), saying so in the log; None for the CPU path.
+    RuntimeError, saying what to install, without nvImageCodec."""
+    if config.decoder == "cpu":
+        _log.info(jpeg.describe())
+        return None
+    if config.decoder != "nvimgcodec":
+        raise ValueError(f"--decoder {config.decoder!r}: use cpu or nvimgcodec")
+    device = torch.device(config.device)
+    try:
+        _log.info(batch_jpeg.describe(device))
+    except ImportError as e:
+        raise RuntimeError(str(e)) from None
+    return device
+
+
 class FeedServer:
     def __init__(self, config: ServerConfig):
         self.config = config
@@ -76,8 +95,10 @@ class FeedServer:
 
             device = check_device(config.device)
         _load_plugins(config.plugins, config.threads)
+        batch_device = _batch_device(config)
         self._shm = ShmNamespace()
-        self._pool = DecodePool(config.threads, partial(Decoders, config.max_pixels))
+        self._pool = DecodePool(config.threads, partial(Decoders, config.max_pixels,
+                                                        batch_device))
         self._watchdog = Watchdog()
         try:
             self._build(config, device)
@@ -103,7 +124,8 @@ class FeedServer:
             interceptors=[TokenInterceptor(config.token), gate] if config.token else [gate],
         )
         self.servicer = FeedServicer(self._storage, self._pool, self._shm, config.limits,
-                                     config.max_streams, self.metrics, device, self._watchdog)
+                                     config.max_streams, self.metrics, device, self._watchdog,
+                                     batch_decode=config.decoder == "nvimgcodec")
         add_feed_servicer(self.servicer, self._grpc)  # inline batches: wire.serialize
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)

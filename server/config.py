@@ -92,6 +92,9 @@ class ServerConfig:
     # The I/O stage for S3 reads: its threads, and the bytes it may hold ahead (0: off).
     io_threads: int = 16
     read_ahead_bytes: int = 256 << 20
+    # How JPEGs are decoded: "cpu" (libjpeg-turbo on the decode threads) or
+    # "nvimgcodec" (a batch at a time by nvImageCodec, on --device: media/batch_jpeg.py).
+    decoder: str = "cpu"
     # Modules whose registered sample transforms requests may name (server/transforms.py),
     # besides the built-in ones.
     plugins: list[str] = field(default_factory=list)

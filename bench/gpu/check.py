@@ -8,8 +8,10 @@ when one before it failed, so a single run of a few minutes brings back all it c
    was imported from and which JPEG path it has, and whether PyAV, grpcio,
    protobuf, nvImageCodec and torchvision import;
 2. the CUDA layer's tests: ``tests/test_cuda_ipc.py`` (its ``cuda`` tests and
-   the CPU tests of what surrounds the CUDA calls) and ``tests/test_resume.py``
-   (resume over every transport, cuda_ipc included), with a JUnit XML;
+   the CPU tests of what surrounds the CUDA calls), ``tests/test_resume.py``
+   (resume over every transport, cuda_ipc included) and
+   ``tests/test_batch_jpeg.py`` (``--decoder nvimgcodec`` on the GPU, and on its
+   CPU backend), with a JUnit XML;
 3. the GPU bench (``bench.run``): the training crop (random-resized crop + flip,
    224 x 224 uint8) delivered to the trainer's GPU by gpufeed (shm and the
    trainer's own copy; cuda_ipc; ``--decoder nvimgcodec``), by torchvision on the
@@ -35,7 +37,7 @@ from pathlib import Path
 __all__ = ["main"]
 
 _ROOT = Path(__file__).resolve().parents[2]
-_TESTS = ["tests/test_cuda_ipc.py", "tests/test_resume.py"]
+_TESTS = ["tests/test_cuda_ipc.py", "tests/test_resume.py", "tests/test_batch_jpeg.py"]
 _ROWS = ["gpufeed-shm-rrc-u8", "gpufeed-shm-h2d-rrc-u8", "gpufeed-cuda-rrc-u8",
          "gpufeed-nvimgcodec-rrc-u8", "torchvision-gpu-rrc-u8", "nvimgcodec-ceiling-rrc-u8"]
 # (what, row, than row or None, at least this ratio / at most this value)

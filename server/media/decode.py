@@ -206,7 +206,7 @@ class ImageDecoder:
             raise DecodeError("empty file")
         declared = declared_size(data)
         if declared is not None:
-            self._check_size(*declared)
+            self.check_size(*declared)
         is_jpeg = data.startswith(_JPEG_MAGIC)
         if is_jpeg and declared is not None and jpeg.takes(data):
             src_w, src_h = declared
@@ -219,7 +219,7 @@ class ImageDecoder:
             except jpeg.JpegError as e:
                 raise DecodeError(f"not a decodable image: {e}") from None
         try:
-            frame = self._decode_jpeg(data) if is_jpeg else _decode_other(data, self._check_size)
+            frame = self._decode_jpeg(data) if is_jpeg else _decode_other(data, self.check_size)
             box = crop(frame.height, frame.width) if crop else None
             whole = (0, 0, frame.height, frame.width)
             window = SourceWindow(frame.height, frame.width, box or whole)
@@ -230,14 +230,15 @@ class ImageDecoder:
             scaled_h, scaled_w, top, left = (
                 _scaled_window(box, frame.height, frame.width, height, width) if box is not None
                 else (height, width, 0, 0))
-            self._check_size(scaled_w, scaled_h, "scaling to")  # a crop of an extreme shape
+            self.check_size(scaled_w, scaled_h, "scaling to")  # a crop of an extreme shape
             rgb = self._rgb.scale(frame, scaled_w, scaled_h)
         except FFmpegError as e:
             raise DecodeError(f"not a decodable image: {e}") from None
         self._rgb.copy(rgb, out, top, left, flip)
         return window
 
-    def _check_size(self, width: int, height: int, what: str = "image declares") -> None:
+    def check_size(self, width: int, height: int, what: str = "image declares") -> None:
+        """OverLimit past the decoder's --max-pixels."""
         _check_pixels(width, height, self._max_pixels, what)
 
     def _decode_jpeg(self, data: bytes) -> av.VideoFrame:

@@ -10,6 +10,7 @@ is refused. The readers run on decode threads; each thread has its own
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
@@ -18,15 +19,21 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
+import torch
 
 from ..config import DEFAULT_MAX_PIXELS
 from ..storage.readahead import StreamReads
 from ..storage.roots import is_s3
+from . import batch_jpeg
 from .arrays import array_layout, check, read_arrays
+from .batch_jpeg import BatchJpegDecoder, Deferred
 from .decode import ImageDecoder
 from .fields import SampleFields
+from .headers import declared_size
 from .output import CLIP, OutputTransform, sample_draws
 from .video import VideoDecoder, centred_start, random_start
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..storage.paths import SamplePaths
@@ -95,18 +102,29 @@ def timed_read(stages: Mapping[str, Any], read: Callable[[], _Data]) -> tuple[_D
 
 
 class Decoders:
-    """One decode thread's decoders, made when first needed."""
+    """One decode thread's decoders, made when first needed. ``batch_device``: where
+    JPEGs are decoded a batch at a time (``--decoder nvimgcodec``: batch_jpeg.py), or
+    None (the decode threads decode them)."""
 
-    def __init__(self, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    def __init__(self, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 batch_device: torch.device | None = None) -> None:
         self.image = ImageDecoder(max_pixels)
         self.max_pixels = max_pixels
+        self.batch_device = batch_device
         self._video: VideoDecoder | None = None
+        self._batch: BatchJpegDecoder | None = None
 
     @property
     def video(self) -> VideoDecoder:
         if self._video is None:
             self._video = VideoDecoder(max_pixels=self.max_pixels)
         return self._video
+
+    @property
+    def batch(self) -> BatchJpegDecoder | None:
+        if self._batch is None and self.batch_device is not None:
+            self._batch = BatchJpegDecoder(self.batch_device)
+        return self._batch
 
 
 class RowReader(Protocol):
@@ -135,6 +153,21 @@ class RowReader(Protocol):
         file as failures name it, relative to its data root (an S3 URL in full)."""
         return storage.shown(paths[index])
 
+    def read_deferring(self, storage: Storage, path: str, index: int,
+                       arrays: dict[str, np.ndarray], row: int, decoders: Decoders,
+                       stages: Mapping[str, Any], deferred: list[Deferred]) -> None:
+        """``read_into``, or, where the thread's decoders decode a batch at a time
+        (batch_jpeg.py), the read alone, the decode left for ``decode_deferred`` at the
+        batch's end (appended to ``deferred``). By default: ``read_into``."""
+        self.read_into(storage, path, index, arrays, row, decoders, stages)
+
+    def decode_deferred(self, deferred: list[Deferred], arrays: dict[str, np.ndarray],
+                        decoders: Decoders, stages: Mapping[str, Any]
+                        ) -> list[tuple[int, BaseException]]:
+        """Decode the rows ``read_deferring`` left, at the batch's end; (row, error) for
+        each that failed. By default none is left."""
+        return []
+
 
 class ImageRows(RowReader):
     """Images, and the fields declared beside them (fields.py), into their rows."""
@@ -162,13 +195,62 @@ class ImageRows(RowReader):
 
     def read_into(self, storage: Storage, path: str, index: int, arrays: dict[str, np.ndarray],
                   row: int, decoders: Decoders, stages: Mapping[str, Any]) -> None:
+        data, read = self._read(storage, path, index, stages)
+        self._decode(storage, path, index, data, arrays, row, decoders, stages, read)
+
+    def read_deferring(self, storage: Storage, path: str, index: int,
+                       arrays: dict[str, np.ndarray], row: int, decoders: Decoders,
+                       stages: Mapping[str, Any], deferred: list[Deferred]) -> None:
+        """A JPEG whose header declares its size is left for the batch's end (the crop box
+        drawn from that size now); anything else, or fields beside the image (they need
+        the pixels' window first), is decoded now."""
+        data, read = self._read(storage, path, index, stages)
+        size = declared_size(data) if self.fields is None and decoders.batch is not None \
+            and batch_jpeg.takes(data) else None
+        if size is None:
+            self._decode(storage, path, index, data, arrays, row, decoders, stages, read)
+            return
+        width, height = size
+        decoders.image.check_size(width, height)  # --max-pixels, as the CPU path checks it
         crop, flip = self.transform.choose(index)
+        box = crop(height, width) if crop else (0, 0, height, width)
+        deferred.append(Deferred(row, bytes(data), box, flip, (height, width)))
+
+    def decode_deferred(self, deferred: list[Deferred], arrays: dict[str, np.ndarray],
+                        decoders: Decoders, stages: Mapping[str, Any]
+                        ) -> list[tuple[int, BaseException]]:
+        """One batched decode (batch_jpeg.py); what it cannot decode, the CPU path decodes
+        from the same bytes, or fails as it would."""
+        started = perf_counter()
+        image = arrays.get("decoded", arrays["image"])
+        try:
+            left = decoders.batch.decode(deferred, image)
+        except Exception:  # the batched decode itself broke (a GPU error): the CPU path's turn
+            _log.exception("nvImageCodec's batched decode failed; decoding the batch's %d "
+                           "JPEGs on the decode thread", len(deferred))
+            left = deferred
+        finally:
+            stages["decode"].observe(perf_counter() - started)
+        failed: list[tuple[int, BaseException]] = []
+        for job in left:
+            crop = lambda h, w, box=job.box: box  # noqa: E731 (the box already drawn)
+            try:
+                decoders.image.decode_into(job.data, image[job.row], crop, job.flip)
+            except Exception as e:  # that sample fails, as on the CPU path
+                failed.append((job.row, e))
+        return failed
+
+    def _read(self, storage: Storage, path: str, index: int, stages: Mapping[str, Any]
+              ) -> tuple[Any, float]:
         stage = storage.read_ahead
         if stage is None:  # local roots: nothing was issued ahead
-            data, read = timed_read(stages, partial(storage.read, path))
-        else:
-            data, read = timed_read(stages, partial(self._ahead.take, stage, index,
-                                                    partial(storage.read, path)))
+            return timed_read(stages, partial(storage.read, path))
+        return timed_read(stages, partial(self._ahead.take, stage, index,
+                                          partial(storage.read, path)))
+
+    def _decode(self, storage: Storage, path: str, index: int, data, arrays, row: int,
+                decoders: Decoders, stages: Mapping[str, Any], read: float) -> None:
+        crop, flip = self.transform.choose(index)
         image = arrays.get("decoded", arrays["image"])[row]
         try:  # the decoder flips; the batch pass does not
             window = decoders.image.decode_into(data, image, crop, flip)

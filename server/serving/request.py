@@ -114,6 +114,9 @@ class StreamPlan:
     names: BatchNames | None = None
     # The request's resumed_from phases this plan's order applies (order.py): all of them.
     resumed: int = 0
+    # JPEG rows are read by the decode threads and decoded a batch at a time at the
+    # batch's end (--decoder nvimgcodec: media/batch_jpeg.py).
+    defers: bool = False
 
     @property
     def num_slots(self) -> int:
@@ -132,11 +135,13 @@ class StreamPlan:
 
 
 def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
-                transports: tuple[int, ...], stopped: Callable[[], bool] = lambda: False
-                ) -> StreamPlan:
+                transports: tuple[int, ...], stopped: Callable[[], bool] = lambda: False,
+                *, batch_decode: bool = False) -> StreamPlan:
     """``req`` checked into a plan, or the refusal (errors.py) naming the field at fault;
     ``PlanStopped`` once ``stopped()`` (the call ended: planning.py) while tar shards
-    are indexed.
+    are indexed. ``batch_decode``: the server decodes JPEGs a batch at a time
+    (``--decoder nvimgcodec``), which a plan of loose images without fields or
+    sample transforms (they need each row's pixels as it is read) does.
 
     In order: the sample names (files, list file, directories; bounded by the
     limits before they are built); tar shards, indexed, or loose files, located
@@ -224,7 +229,9 @@ def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
                       max_failures=_failure_budget(req, batches.samples_from(0), limits),
                       lease_timeout=limits.lease_timeout, compression=compression,
                       compress=compress, fields=fields, sample_transforms=sample_transforms,
-                      names=batch_names, resumed=resumed)
+                      names=batch_names, resumed=resumed,
+                      defers=batch_decode and type(reader) is ImageRows and fields is None
+                      and sample_transforms is None)
     if isinstance(reader, ShardRows):  # S3 chunks run over the samples the stream reads
         served = [batches[k] for k in range(plan.start_batch, len(batches))]
         reader.will_read(np.concatenate(served) if served else order[:0])

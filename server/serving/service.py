@@ -113,7 +113,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
 
     def __init__(self, storage: Storage, pool: DecodePool[Decoders], shm: ShmNamespace,
                  limits: Limits, max_streams: int, metrics: ServerMetrics | None = None,
-                 device=None, watchdog: Watchdog | None = None):
+                 device=None, watchdog: Watchdog | None = None, *, batch_decode: bool = False):
         self._watchdog = watchdog if watchdog is not None else Watchdog()
         self._storage = storage
         self._device = device  # a torch.device for cuda:N; None on a CPU server
@@ -122,6 +122,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         self._memories = SlotMemories(shm, device, self._metrics.stages["device_copy"].observe)
         self.transports = self._memories.transports
         self._limits = limits
+        self._batch_decode = batch_decode  # JPEGs a batch at a time (media/batch_jpeg.py)
         self._max_streams = max_streams
         self._streams: set[Stream] = set()
         self._plannings: set[Planning[StreamPlan]] = set()  # requests being planned
@@ -153,7 +154,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             self._refuse(context, *refusal)
         reserved = 0
         planning = Planning(partial(plan_stream, first.open, self._storage, self._limits,
-                                    self.transports))
+                                    self.transports, batch_decode=self._batch_decode))
         try:
             with self._lock:
                 self._plannings.add(planning)

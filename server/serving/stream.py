@@ -27,6 +27,7 @@ import numpy as np
 
 from gpufeed.v1.vocabulary import UNREAD
 
+from ..media.batch_jpeg import Deferred
 from ..media.samples import Decoders
 from ..memory.ring import SlotRing
 from ..memory.slots import SlotMemory
@@ -101,6 +102,8 @@ class SlotBatch:
         self.arrays = stream.plan.layout.views(stream.ring.slot(slot))
         # (row, category, detail) of each row that failed, while decoding
         self._failed_rows: list[tuple[int, int, str]] = []
+        # Rows read whose decode waits for the batch's end (--decoder nvimgcodec).
+        self._deferred: list[Deferred] = []
         # (sample index, category, reason naming the file), sorted, once finished
         self.failures: list[tuple[int, int, str]] = []
         self.rows = len(indices)
@@ -172,14 +175,20 @@ class SlotBatch:
                 self.done = True
                 self._stream.cond.notify_all()
 
-    def _read(self, index: int, row: int, decoders: Decoders) -> None:
-        """Sample ``index`` into row ``row``, then the request's sample transforms on it,
-        then its name when the request asks for names (after the read, so that a sample
-        that fails keeps its own reason); raises what reading, decoding, a transform or
-        a name over its room (batchnames.py) raises."""
+    def _read(self, index: int, row: int, decoders: Decoders, defer: bool = True) -> None:
+        """Sample ``index`` into row ``row`` (or, when the plan defers decodes, its read,
+        the decode left for the batch's end: batch_jpeg.py), then the request's sample
+        transforms on it (a plan with transforms defers nothing), then its name when the
+        request asks for names (after the read, so that a sample that fails keeps its own
+        reason); raises what reading, decoding, a transform or a name over its room
+        (batchnames.py) raises."""
         stream, plan = self._stream, self._stream.plan
-        plan.reader.read_into(stream.storage, plan.paths[index], index, self.arrays, row,
-                              decoders, stream.metrics.stages)
+        if defer and plan.defers:
+            plan.reader.read_deferring(stream.storage, plan.paths[index], index, self.arrays,
+                                       row, decoders, stream.metrics.stages, self._deferred)
+        else:
+            plan.reader.read_into(stream.storage, plan.paths[index], index, self.arrays, row,
+                                  decoders, stream.metrics.stages)
         if plan.sample_transforms is not None:
             plan.sample_transforms.apply(self.arrays, row, index)
         if plan.names is not None:
@@ -207,7 +216,7 @@ class SlotBatch:
                 continue
             tried += 1
             try:
-                self._read(index, 0, decoders)
+                self._read(index, 0, decoders, defer=False)
                 return np.array([index], dtype=np.int64)
             except BaseException:  # reported in its own batch (decode_row says why BaseException)
                 if tried == _REFILL_TRIES:
@@ -223,6 +232,12 @@ class SlotBatch:
         fill index/label/padded, pack the variable-length fields and names, run the
         batch pass on the host."""
         plan = self._stream.plan
+        if self._deferred and not self._stream.cancelled:  # one decode for the batch's JPEGs
+            for row, error in plan.reader.decode_deferred(self._deferred, self.arrays, decoders,
+                                                          self._stream.metrics.stages):
+                index = int(self.indices[row])
+                self._failed_rows.append((row, *sample_failure(error, index, self._shown(index))))
+        self._deferred = []
         ok = np.ones(len(self.indices), dtype=bool)
         for row, _, _ in self._failed_rows:
             ok[row] = False

@@ -1,0 +1,249 @@
+"""JPEGs decoded a batch at a time by nvImageCodec (``--decoder nvimgcodec``), tested on
+its libjpeg-turbo CPU backend: everything but the GPU itself (the batching, the regions
+of interest, the resampling, the rows, the fallback to the CPU path, single failures).
+
+The pixel rule is the CPU path's: the crop box, resampled with Pillow's bilinear
+filter (widened when shrinking) over its exact sub-pixel position. Against Pillow
+cropping and resizing the same box, every pixel is within 2 levels (the CPU path
+rounds between passes and uses fixed-point weights; this path does neither, and
+decodes the full resolution where the CPU path may let libjpeg shrink by 2-8 in the
+IDCT, so it is the closer of the two).
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from gpufeed.client import FeedClient, Field
+from gpufeed.server.demo import synthetic_photo
+from gpufeed.server.media import batch_jpeg, jpeg
+from gpufeed.server.media.batch_jpeg import BatchJpegDecoder, Deferred, resample_weights
+from gpufeed.server.media.output import OutputTransform, sample_draws
+from gpufeed.server.process import ServerProcess
+from gpufeed.v1 import feed_pb2
+
+pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec is not installed (dev extra)")
+
+SIZE = (40, 48)
+SEED, EPOCH = 4, 1
+_LEVELS = 2  # the largest difference from Pillow on the same box, per pixel
+
+
+def _jpeg(rng, height: int, width: int, **options) -> bytes:
+    pixels = synthetic_photo(rng, height, width).astype(np.int16)
+    pixels += rng.integers(-10, 11, pixels.shape, dtype=np.int16)  # detail a wrong box shows
+    out = io.BytesIO()
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(out, "JPEG", quality=90, **options)
+    return out.getvalue()
+
+
+def _pillow(data: bytes, box, flip: bool, size=SIZE) -> np.ndarray:
+    top, left, h, w = box
+    with Image.open(io.BytesIO(data)) as image:
+        ref = image.convert("RGB").resize(size[::-1], Image.BILINEAR,
+                                          box=(left, top, left + w, top + h))
+    if flip:
+        ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
+    return np.asarray(ref).transpose(2, 0, 1)
+
+
+def test_the_weights_are_the_cpu_paths_filter():
+    for start, length, size, out in [(0.0, 100.0, 100, 40), (10.3, 37.7, 60, 224),
+                                     (0.0, 5.0, 5, 64), (99.2, 0.8, 100, 3), (0.0, 1.0, 1, 7)]:
+        weights, first, last = resample_weights(start, length, size, out)
+        assert weights.shape == (out, last - first) and 0 <= first < last <= size
+        np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+        assert (weights >= 0).all()
+
+
+def test_a_batch_of_regions_is_pillows_crop_and_resize():
+    """Random boxes over images of random sizes, flipped or not, 4:2:0 and 4:4:4: every
+    pixel within 2 levels of Pillow's crop-and-resize of the same box, and within 1 of
+    the CPU path's where it does not shrink in the IDCT."""
+    rng = np.random.default_rng(0)
+    decoder = BatchJpegDecoder(torch.device("cpu"))
+    for round_ in range(6):
+        height, width = int(rng.integers(60, 400)), int(rng.integers(60, 400))
+        data = _jpeg(rng, height, width, subsampling=0 if round_ % 2 else 2)
+        jobs = []
+        for row in range(8):
+            box_h, box_w = float(rng.uniform(4, height)), float(rng.uniform(4, width))
+            box = (float(rng.uniform(0, height - box_h)), float(rng.uniform(0, width - box_w)),
+                   box_h, box_w)
+            jobs.append(Deferred(row, data, box, bool(rng.random() < 0.5), (height, width)))
+        out = np.full((8, 3, *SIZE), 0xAB, np.uint8)  # poisoned: every pixel must be written
+        assert decoder.decode(jobs, out) == []
+        for job in jobs:
+            got = out[job.row].astype(np.int16)
+            assert np.abs(got - _pillow(data, job.box, job.flip)).max() <= _LEVELS, job.box
+            if jpeg.AVAILABLE and job.box[2] < 2 * SIZE[0] or job.box[3] < 2 * SIZE[1]:
+                cpu = np.zeros((3, *SIZE), np.uint8)
+                jpeg.decode_crop(data, cpu, job.box, job.flip)
+                assert np.abs(got - cpu).max() <= 1, job.box
+
+
+def test_what_nvimgcodec_cannot_read_is_handed_back():
+    rng = np.random.default_rng(1)
+    good = _jpeg(rng, 80, 90)
+    jobs = [Deferred(0, good, (0.0, 0.0, 80.0, 90.0), False, (80, 90)),
+            Deferred(1, b"\xff\xd8\xff" + b"junk" * 40, (0.0, 0.0, 10.0, 10.0), False, (10, 10)),
+            Deferred(2, good[:len(good) // 3], (0.0, 0.0, 80.0, 90.0), False, (80, 90)),
+            Deferred(3, good, (0.0, 0.0, 40.0, 40.0), False, (40, 45))]  # a size that lies
+    out = np.zeros((4, 3, *SIZE), np.uint8)
+    left = BatchJpegDecoder(torch.device("cpu")).decode(jobs, out)
+    assert {job.row for job in left} >= {1, 3} and 0 not in {job.row for job in left}
+    assert np.abs(out[0].astype(np.int16) - _pillow(good, jobs[0].box, False)).max() <= _LEVELS
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """JPEGs (4:2:0 and 4:4:4, small and large), a PNG, a CMYK JPEG, a corrupt and a cut
+    JPEG, and a JPEG bomb (its header declares 60000 x 60000)."""
+    root = tmp_path_factory.mktemp("batchjpeg")
+    rng = np.random.default_rng(2)
+    files = {}
+    for i in range(10):
+        files[f"j{i}.jpg"] = _jpeg(rng, int(rng.integers(50, 500)), int(rng.integers(50, 500)),
+                                   subsampling=0 if i % 3 == 0 else 2)
+    photo = Image.fromarray(synthetic_photo(rng, 90, 120))
+    png, cmyk = io.BytesIO(), io.BytesIO()
+    photo.save(png, "PNG")
+    photo.convert("CMYK").save(cmyk, "JPEG", quality=95)
+    files["p.png"], files["cmyk.jpg"] = png.getvalue(), cmyk.getvalue()
+    gray = io.BytesIO()
+    photo.convert("L").save(gray, "JPEG", quality=90)  # one channel: this path, as RGB
+    files["gray.jpg"] = gray.getvalue()
+    files["corrupt.jpg"] = b"\xff\xd8\xff\xe0" + bytes(rng.integers(0, 256, 3000, dtype=np.uint8))
+    files["cut.jpg"] = files["j1.jpg"][:len(files["j1.jpg"]) // 2]
+    bomb = bytearray(files["j2.jpg"])
+    at = bomb.index(b"\xff\xc0")  # the frame header: height and width after 5 bytes
+    bomb[at + 5:at + 9] = (60000).to_bytes(2, "big") * 2
+    files["bomb.jpg"] = bytes(bomb)
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return root, sorted(files)
+
+
+def _batches(address: str, names: list[str], **options) -> tuple[dict, dict]:
+    with FeedClient(address) as feed:
+        loader = feed.loader(files=names, batch_size=4, size=SIZE, resize="random_resized_crop",
+                             flip=0.5, seed=SEED, epoch=EPOCH, failure_budget=len(names),
+                             **options)
+        rows = {i: image.numpy().copy() for batch in loader
+                for i, image in zip(batch["index"].tolist(), batch["image"])}
+        failures = {f.index: f.category for f in loader.failures}
+    return rows, failures
+
+
+def test_a_server_decoding_a_batch_at_a_time_serves_what_the_cpu_path_serves(mixed):
+    root, names = mixed
+    with ServerProcess(["--data-root", str(root), "--threads", "2", "--decoder",
+                        "nvimgcodec"]) as batched, \
+            ServerProcess(["--data-root", str(root), "--threads", "2"]) as cpu:
+        log = "".join(batched.log)
+        assert "JPEG decoder: nvImageCodec" in log and "CPU backend" in log, log
+        got, failed = _batches(batched.address, names)
+        want, cpu_failed = _batches(cpu.address, names)
+    # Every sample once: the same ones delivered, the same ones failed, alike.
+    assert failed == cpu_failed and set(got) == set(want)
+    assert set(got) | set(failed) == set(range(len(names)))
+    assert {names[i] for i in failed} == {"corrupt.jpg", "cut.jpg", "bomb.jpg"}
+    assert failed[names.index("bomb.jpg")] == "too_large"
+    transform = OutputTransform(feed_pb2.OutputSpec(height=SIZE[0], width=SIZE[1],
+                                                    resize=feed_pb2.RESIZE_RANDOM_RESIZED_CROP),
+                                SEED, EPOCH)
+    for i, image in got.items():
+        data = (root / names[i]).read_bytes()
+        if names[i] in ("p.png", "cmyk.jpg"):  # the decode threads' path: the CPU's rows
+            assert np.array_equal(image, want[i]), names[i]
+            continue
+        with Image.open(io.BytesIO(data)) as im:
+            box = transform.box(i, im.height, im.width)
+        flip = sample_draws(SEED, EPOCH, i, 1).random() < 0.5
+        diff = np.abs(image.astype(np.int16) - _pillow(data, box, flip)).max()
+        assert diff <= _LEVELS, (names[i], diff)
+
+
+def test_fields_and_sample_transforms_keep_the_cpu_path(mixed):
+    """They need each row's pixels as it is read: such requests are decoded by the threads,
+    so their rows are the CPU server's exactly."""
+    root, names = mixed
+    jpegs = [n for n in names if n.startswith("j")]
+    with ServerProcess(["--data-root", str(root), "--threads", "2", "--decoder",
+                        "nvimgcodec"]) as batched, \
+            ServerProcess(["--data-root", str(root), "--threads", "2"]) as cpu:
+        for options in (dict(transforms=[("random_erasing", {"p": 0.5})]),
+                        dict(fields={"meta": Field(".json")})):
+            if "fields" in options:
+                for name in jpegs:
+                    (root / name.replace(".jpg", ".json")).write_text('{"ok": 1}')
+            got, _ = _batches(batched.address, jpegs, **options)
+            want, _ = _batches(cpu.address, jpegs, **options)
+            assert got.keys() == want.keys()
+            assert all(np.array_equal(got[i], want[i]) for i in got), options
+
+
+def test_without_nvimgcodec_the_server_says_what_to_install(tmp_path):
+    code = ("import sys\n"
+            "sys.modules['nvidia.nvimgcodec'] = None\n"
+            "from gpufeed.server.__main__ import main\n"
+            f"sys.exit(main(['--data-root', {str(tmp_path)!r}, '--decoder', 'nvimgcodec']))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "--decoder nvimgcodec: nvImageCodec is not installed" in result.stderr
+    assert "gpufeed[gpu]" in result.stderr
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_batch_of_regions_is_pillows_crop_and_resize():
+    """The same rule on the GPU (hardware JPEG decoder or nvJPEG's CUDA decoder)."""
+    rng = np.random.default_rng(5)
+    decoder = BatchJpegDecoder(torch.device("cuda:0"))
+    data = _jpeg(rng, 300, 400)
+    jobs = [Deferred(row, data, (float(10 * row), float(5 * row), 200.0, 250.0), row % 2 == 1,
+                     (300, 400)) for row in range(16)]
+    out = np.full((16, 3, *SIZE), 0xAB, np.uint8)
+    assert decoder.decode(jobs, out) == []
+    for job in jobs:
+        diff = np.abs(out[job.row].astype(np.int16) - _pillow(data, job.box, job.flip)).max()
+        assert diff <= _LEVELS, (job.box, diff)
+
+
+@pytest.mark.cuda
+def test_a_gpu_server_decoding_a_batch_at_a_time_serves_over_cuda_ipc(mixed):
+    root, names = mixed
+    with ServerProcess(["--data-root", str(root), "--device", "cuda:0", "--decoder",
+                        "nvimgcodec"]) as server:
+        assert "JPEG decoder: nvImageCodec" in "".join(server.log)
+        with FeedClient(server.address) as feed:
+            loader = feed.loader(files=names, batch_size=4, size=SIZE,
+                                 resize="random_resized_crop", flip=0.5, seed=SEED,
+                                 epoch=EPOCH, failure_budget=len(names), transport="cuda_ipc")
+            got = {i: image.cpu().numpy() for batch in loader
+                   for i, image in zip(batch["index"].tolist(), batch["image"])}
+            failed = {names[f.index] for f in loader.failures}
+    assert failed == {"corrupt.jpg", "cut.jpg", "bomb.jpg"}
+    assert set(got) | {names.index(n) for n in failed} == set(range(len(names)))
+    transform = OutputTransform(feed_pb2.OutputSpec(height=SIZE[0], width=SIZE[1],
+                                                    resize=feed_pb2.RESIZE_RANDOM_RESIZED_CROP),
+                                SEED, EPOCH)
+    for i, image in got.items():
+        if names[i] in ("p.png", "cmyk.jpg"):
+            continue
+        data = (root / names[i]).read_bytes()
+        with Image.open(io.BytesIO(data)) as im:
+            box = transform.box(i, im.height, im.width)
+        flip = sample_draws(SEED, EPOCH, i, 1).random() < 0.5
+        assert np.abs(image.astype(np.int16) - _pillow(data, box, flip)).max() <= _LEVELS
+
+
+def test_the_module_knows_a_jpeg():
+    assert batch_jpeg.takes(b"\xff\xd8\xff\xe0rest") and not batch_jpeg.takes(b"\x89PNG")
