@@ -208,5 +208,9 @@ class BatchJpegDecoder:
     def _tensor(self, image) -> torch.Tensor:
         """A decoded region as a uint8 [h, w, 3] tensor where it lies (no copy on a GPU)."""
         if self.device.type == "cuda":
-            return torch.from_dlpack(image)
+            try:  # DLPack: torch's stream waits for the decoder's, as the protocol says
+                return torch.from_dlpack(image)
+            except (TypeError, BufferError):  # an exporter without the stream argument
+                torch.cuda.current_stream(self.device).synchronize()
+                return torch.as_tensor(image, device=self.device)
         return torch.from_numpy(np.asarray(image.cpu()))
