@@ -50,12 +50,18 @@ class Connection:
     """
 
     def __init__(self, address: str, *, connect_timeout: float,
-                 credentials: grpc.ChannelCredentials | None, token: str | None):
+                 credentials: grpc.ChannelCredentials | None, token: str | None,
+                 authority: str = ""):
         self.address = address
+        # A server found behind a DNS name is dialled at its address; its TLS certificate
+        # names the name (``authority``), so that is what the handshake checks.
+        options = [*_CHANNEL_OPTIONS, *([("grpc.ssl_target_name_override", authority),
+                                        ("grpc.default_authority", authority)]
+                                       if authority else [])]
         if credentials is None:
-            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(address, options=options)
         else:
-            self._channel = grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(address, credentials, options=options)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.stub = feed_pb2_grpc.FeedStub(self._channel)
         # Inline batches' arrays stay views of the received bytes (inline.parse).

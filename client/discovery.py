@@ -30,7 +30,7 @@ import grpc
 from .connection import Connection
 from .errors import FeedError
 
-__all__ = ["Servers", "is_dns_target", "resolve"]
+__all__ = ["Servers", "host_of", "is_dns_target", "resolve"]
 
 _DEFAULT_PORT = 50051
 _SCHEME = "dns:"
@@ -47,8 +47,18 @@ def resolve(target: str) -> list[str]:
         return [target]
     authority, host, port = _parse(target)
     addresses = _ask(authority, host) if authority else _system(host, port)
-    return sorted({_join(address, port) for address in addresses},
-                  key=lambda a: (ipaddress.ip_address(a.rpartition(":")[0].strip("[]")), a))
+    return [_join(address, port) for address in sorted(set(addresses), key=_ip_order)]
+
+
+def host_of(target: str) -> str:
+    """The name a ``dns:`` target resolves (its servers' TLS certificates name it)."""
+    return _parse(target)[1] if is_dns_target(target) else ""
+
+
+def _ip_order(address: str) -> tuple[int, int]:
+    """IPv4 before IPv6 (a dual-stack name has both), then by address."""
+    ip = ipaddress.ip_address(address)
+    return ip.version, int(ip)
 
 
 def _parse(target: str) -> tuple[str, str, int]:
@@ -119,27 +129,39 @@ def _join(address: str, port: int) -> str:
 class Servers:
     """The servers of some targets, each a ``Connection`` made once per address and kept
     until ``close()`` (a loader mid-pass may still stream from one a name no longer
-    lists). ``current()`` resolves the targets again."""
+    lists). ``current()`` resolves the targets again, outside the lock (a DNS query
+    may take seconds), so other loaders' ``connection()`` calls do not wait for it.
+    ``found_later(address)``: the address came from a name, not from the caller, so a
+    server there that never answered is one to pass over, not a mistake to report."""
 
-    def __init__(self, targets: list[str], connect: Callable[[str], Connection]):
+    def __init__(self, targets: list[str], connect: Callable[[str, str], Connection]):
         self.targets = targets
-        self._connect = connect
+        self._connect = connect  # (address, the DNS name it was found behind, or "")
         self._lock = threading.Lock()
         self._connections: dict[str, Connection] = {}
         self._addresses: dict[str, list[str]] = {}  # by target: what it resolved to last
+        self._authority: dict[str, str] = {}  # a found address's name
         self.current()  # a target that resolves to nothing is an error now
 
     def current(self) -> list[Connection]:
         """Every target's servers now, in the targets' order (a name's sorted)."""
+        found = [(target, self._resolve(target)) for target in self.targets]
         with self._lock:
             servers: list[Connection] = []
-            for target in self.targets:
-                servers += [self._connection(a) for a in self._resolve(target)]
+            for target, addresses in found:
+                for address in addresses:
+                    if is_dns_target(target):
+                        self._authority.setdefault(address, host_of(target))
+                    servers.append(self._connection(address))
             return list(dict.fromkeys(servers))  # a server named twice is one server
 
     def connection(self, address: str) -> Connection:
         with self._lock:
             return self._connection(address)
+
+    def found_later(self, address: str) -> bool:
+        with self._lock:
+            return address in self._authority
 
     def close(self) -> None:
         with self._lock:
@@ -149,14 +171,15 @@ class Servers:
 
     def _connection(self, address: str) -> Connection:
         if address not in self._connections:
-            self._connections[address] = self._connect(address)
+            self._connections[address] = self._connect(address,
+                                                       self._authority.get(address, ""))
         return self._connections[address]
 
     def _resolve(self, target: str) -> list[str]:
         before = self._addresses.get(target)
         try:
             found = resolve(target)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError) as e:
             if before is None or isinstance(e, ValueError):
                 raise FeedError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             return before  # keep the last answer through a resolver's hiccup

@@ -84,8 +84,9 @@ class FeedClient:
         addresses = [address] if isinstance(address, str) else list(address)
         if not addresses:
             raise ValueError("FeedClient needs at least one server address")
-        self._servers = Servers(addresses, lambda a: Connection(
-            a, connect_timeout=connect_timeout, credentials=credentials, token=token))
+        self._servers = Servers(addresses, lambda a, authority: Connection(
+            a, connect_timeout=connect_timeout, credentials=credentials, token=token,
+            authority=authority))
         self.address = ",".join(addresses)
 
     @property

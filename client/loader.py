@@ -189,8 +189,8 @@ class Loader:
         """Batches in a pass of this rank (a shared job's depend on its consumers)."""
         if self._request.job:
             raise TypeError("a shared job's loader has no length: its consumers share the batches")
-        if self._pass_total() is None:  # the servers changed since a stream last said: ask
-            self._open_ahead()
+        if self._pass_total() is None and self._pass is None:
+            self._open_ahead()  # the servers changed since a stream last said: ask them
         return self._pass_total() or 0
 
     def _pass_total(self) -> int | None:
@@ -250,6 +250,7 @@ class Loader:
         self._phases = position.resumed_from
         for part in self._parts:  # which of its batches that is, each part's server says
             part.pass_start = position.batches
+            part.total = None  # and how many it has (a resumed phase has its own count)
 
     def _begin(self, epoch: int) -> None:
         """Make the next pass ``epoch`` from its start; a pass in progress is over."""
@@ -300,9 +301,9 @@ class Loader:
         self.failures = []
         streams: dict[int, Generator[dict[str, torch.Tensor], None, None]] = {}
         try:
-            for part in self._parts:  # resumed: each part's server says where it is in its part
-                if part.pass_start is not None and part.number not in self._opened:
-                    self._opened[part.number] = self._open_retrying(part)
+            # Every part's stream now: a resumed part's server says where it is in its
+            # part, and every header says how many batches its part has (len(loader)).
+            self._open_ahead()
             streams = {part.number: self._part_batches(part) for part in self._parts}
             while streams:
                 if self._pass is not this:
@@ -402,8 +403,10 @@ class Loader:
         raise ``error`` as a FeedError if it is not an outage, or has lasted too long."""
         server = self._servers.connection(part.server)
         code, details = _status(error)
-        if code != grpc.StatusCode.UNAVAILABLE or self._reconnect_timeout <= 0 \
-                or not server.answered:
+        # A server the caller named that never answered is a wrong address: fail now. One
+        # a DNS name listed may have gone since: pass over it, as over any lost server.
+        never = not server.answered and not self._servers.found_later(part.server)
+        if code != grpc.StatusCode.UNAVAILABLE or self._reconnect_timeout <= 0 or never:
             raise error if isinstance(error, FeedError) else FeedError.from_rpc(
                 error, server.address) from None
         now = time.monotonic()
@@ -412,21 +415,21 @@ class Loader:
             raise FeedError(grpc.StatusCode.UNAVAILABLE,
                             f"gave up after {self._reconnect_timeout:g} s without a batch "
                             f"from {server.address}: {details}") from None
-        part.server = self._next_server(part)
+        up = [s.address for s in self._servers.current()]  # asked once: one may have appeared
+        part.server = self._next_server(part, up)
         # A stream opened ahead that the trainer left unread past the server's lease
         # timeout (an evaluation loader while the trainer trains) is routine: quiet.
         level = logging.INFO if UNREAD in details else logging.WARNING
         _log.log(level, "stream from %s interrupted (%s); resuming at batch %d on %s",
                  server.address, details, part.consumed, part.server)
         outage.tried += 1
-        if outage.tried >= len(self._servers.current()):  # every server tried: wait a round
+        if outage.tried >= len(up):  # every server tried: wait before the next round
             time.sleep(outage.backoff)
             outage.backoff, outage.tried = min(2 * outage.backoff, _MAX_BACKOFF), 0
 
-    def _next_server(self, part: _Part) -> str:
-        """Where a part goes when its server is lost: a server up now (asked again: one may
-        have appeared) that serves no other part of the pass, else the next one in order."""
-        up = [server.address for server in self._servers.current()]
+    def _next_server(self, part: _Part, up: list[str]) -> str:
+        """Where a part goes when its server is lost: a server ``up`` now that serves no
+        other part of the pass (one that just appeared), else the next one in order."""
         busy = {other.server for other in self._parts if other is not part}
         idle = [address for address in up if address not in busy and address != part.server]
         if idle:

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 
+import grpc
 import pytest
 
 from gpufeed.client import FeedClient
@@ -58,9 +59,13 @@ class _Dns:
             [binary, "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv",
              f"--user={pwd.getpwuid(os.getuid()).pw_name}",
              "--no-hosts", f"--addn-hosts={self.hosts}", "--listen-address=127.0.0.1",
+             "--local=/test/",  # the test domain is its own: NXDOMAIN, not REFUSED
              "--bind-interfaces", f"--port={self.port}", "--cache-size=0",
              f"--pid-file={folder / 'pid'}", "--log-facility=-"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Answering (the name, with no address yet) means its SIGHUP handler is in place:
+        # a SIGHUP before that would end it.
+        assert wait_until(lambda: _answer(self.target(1)) == []), "dnsmasq did not answer"
 
     def publish(self, addresses: list[str]) -> None:
         """Make ``_NAME`` resolve to ``addresses`` (dnsmasq rereads the file on SIGHUP)."""
@@ -148,6 +153,38 @@ def test_a_lost_server_is_replaced_by_one_the_name_now_lists(dns, servers, image
                 started[_HOSTS[1]].kill()
         assert sorted(seen) == expected == list(range(N))  # nothing lost or repeated
         assert _streams(started[_HOSTS[2]]) >= 1  # the lost part went to the new server
+
+
+def test_servers_behind_a_name_speak_tls_as_the_name(dns, data_dir, image_names, tmp_path):
+    """Their certificate names the DNS name, not each pod's address: the client checks
+    it against the name it resolved."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert(_NAME)
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    port = _free_port(_HOSTS[:2])
+    started = [ServerProcess(["--data-root", str(data_dir), "--threads", "1", "--listen",
+                              f"{host}:{port}", "--tls-cert", str(tmp_path / "cert.pem"),
+                              "--tls-key", str(tmp_path / "key.pem")]).start()
+               for host in _HOSTS[:2]]
+    try:
+        _published(dns, port, _HOSTS[:2])
+        credentials = grpc.ssl_channel_credentials(ca.cert_pem.bytes())
+        with FeedClient(dns.target(port), credentials=credentials) as feed:
+            loader = feed.loader(files=image_names[:N], batch_size=4, size=(16, 16))
+            assert _pass(loader) == list(range(N))
+        assert all(_streams(server) >= 1 for server in started)
+    finally:
+        for server in started:
+            server.kill()
+
+
+def test_a_dual_stack_name_lists_ipv4_then_ipv6(dns):
+    dns.publish(["127.0.0.3", "::1", "127.0.0.2"])
+    assert wait_until(lambda: _answer(dns.target(7)) is not None
+                      and len(_answer(dns.target(7)) or []) == 3)
+    assert _answer(dns.target(7)) == ["127.0.0.2:7", "127.0.0.3:7", "[::1]:7"]
 
 
 def test_targets_that_cannot_be_servers_are_refused_naming_them(dns):
