@@ -44,7 +44,7 @@ from gpufeed.v1.vocabulary import (
     transport_name,
 )
 
-__all__ = ["REFUSAL_CODES", "STAGES", "ServerMetrics"]
+__all__ = ["LIST_KINDS", "REFUSAL_CODES", "STAGES", "ServerMetrics"]
 
 # read: one sample's bytes; decode: one sample decoded and scaled into its row;
 # batch: a batch from its first row queued to its last row done (queueing included);
@@ -54,6 +54,9 @@ STAGES = ("read", "decode", "batch", "device_copy", "send")
 # The statuses a Stream is refused with (service.py), each a series from the start.
 REFUSAL_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
                  "UNAVAILABLE")
+# What planning reads a stream's sample list from (serving/lists.py): a list file parsed,
+# a directory tree listed.
+LIST_KINDS = ("list_file", "directory")
 # From tens of microseconds (a cached read, a small image) to tens of seconds (a
 # large batch on a busy pool): one set of buckets fits per-sample and per-batch stages.
 _STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
@@ -90,6 +93,10 @@ class ServerMetrics:
         self._wait = Histogram("gpufeed_trainer_wait_seconds", "Time a trainer waited for a "
                                "batch, as the trainer reports it (a data stall when large).",
                                ["transport"], buckets=_WAIT_BUCKETS, registry=r)
+        self._list_parses = Counter("gpufeed_list_parses", "Sample lists read to plan streams: "
+                                    "list files parsed, directory trees listed (once per "
+                                    "list and version while streams share it).", ["kind"],
+                                    registry=r)
         Info("gpufeed_build", "The running gpufeed version.", registry=r).info(
             {"version": gpufeed.__version__})
         ProcessCollector(registry=r)
@@ -102,6 +109,8 @@ class ServerMetrics:
             self._failures.labels(category)
         for code in REFUSAL_CODES:
             self._refused.labels(code)
+        for kind in LIST_KINDS:
+            self._list_parses.labels(kind)
         # Stream code times its stages with ``with metrics.stages["read"].time():``.
         self.stages = {stage: self._stage.labels(stage) for stage in STAGES}
         self._live = _LiveState(pool)
@@ -118,6 +127,14 @@ class ServerMetrics:
     def refused(self, code) -> None:
         """A Stream call refused with ``code`` (a grpc.StatusCode)."""
         self._refused.labels(code.name).inc()
+
+    def list_parsed(self, kind: str) -> None:
+        """A sample list was read to plan a stream (``kind``: one of ``LIST_KINDS``)."""
+        self._list_parses.labels(kind).inc()
+
+    def watch_lists(self, held) -> None:
+        """Report the server's kept lists: ``held()`` gives (lists, bytes) at each scrape."""
+        self._live.held_lists = held
 
     def closed(self, stream) -> None:
         """Safe to call for a stream never opened, and more than once."""
@@ -187,6 +204,7 @@ class _LiveState(Collector):
         self._pool = pool
         self._streams: dict[Any, str] = {}  # a stream (serving/stream.py) -> its transport
         self._lock = threading.Lock()
+        self.held_lists = lambda: (0, 0)  # the servicer's kept lists: (lists, bytes)
 
     def add(self, stream, transport: str) -> None:
         with self._lock:
@@ -208,6 +226,11 @@ class _LiveState(Collector):
         yield _by_transport("gpufeed_active_streams", "Streams being served.", active)
         yield _by_transport("gpufeed_slots_leased", "Ring slots leased to batches (being "
                             "filled, or held by the trainer until it releases them).", leased)
+        lists, nbytes = self.held_lists()
+        yield GaugeMetricFamily("gpufeed_shared_lists", "Sample lists kept for the streams "
+                                "that read them (in use, or idle until dropped).", value=lists)
+        yield GaugeMetricFamily("gpufeed_shared_list_bytes", "Bytes those lists hold, counted "
+                                "once against --max-memory-bytes.", value=nbytes)
         if self._pool is not None:
             yield GaugeMetricFamily("gpufeed_decode_queue_tasks", "Sample decodes waiting for "
                                     "a decode thread.", value=self._pool.queued())

@@ -13,6 +13,10 @@ The default is half of the memory the server may use: the host's, or its
 cgroup's limit when that is lower (a container). Decoding working space (a
 frame per decode thread) and gRPC buffers are outside it.
 
+Lists shared by streams (serving/lists.py) reserve their bytes once, and may be
+kept a while after their last stream: a reservation that does not fit first
+asks ``reclaim`` (the kept lists nobody holds are dropped) and tries again.
+
 Memory a stream gave back must also leave the process: ``return_free_memory``
 asks glibc's allocator to hand its free pages to the system (``malloc_trim``),
 which it otherwise keeps in each thread's arena. Six sequential 2M-sample
@@ -25,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 
 __all__ = ["MemoryBudget", "MemoryExhausted", "default_memory_bytes", "return_free_memory"]
 
@@ -51,10 +56,13 @@ def default_memory_bytes() -> int:
 
 
 class MemoryBudget:
-    """A thread-safe count of reserved bytes against a limit."""
+    """A thread-safe count of reserved bytes against a limit. ``reclaim()``, when set,
+    frees what it can (returning the bytes it gave back) before a reservation is
+    refused; it may give back, so it is called outside the lock."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, reclaim: Callable[[], int] | None = None):
         self.limit = limit
+        self.reclaim = reclaim
         self._lock = threading.Lock()
         self._reserved = 0
 
@@ -66,8 +74,12 @@ class MemoryBudget:
     def reserve(self, nbytes: int, what: str) -> int:
         """Reserve ``nbytes`` (for ``what``, named in the refusal); returns them, for ``give_back``.
 
-        Raises MemoryExhausted when they do not fit.
+        Raises MemoryExhausted when they do not fit, after ``reclaim``.
         """
+        with self._lock:
+            fits = self._reserved + nbytes <= self.limit
+        if not fits and self.reclaim is not None:
+            self.reclaim()
         with self._lock:
             if self._reserved + nbytes > self.limit:
                 raise MemoryExhausted(

@@ -29,14 +29,22 @@ empty folder does on disk). A listing is what the store answered while it
 was made: an object deleted later fails as any missing file does, one added
 later is not served, and one the store answers twice (pages that moved under
 a listing) is listed once.
+
+A local tree listed for a request that names it alone is kept and shared by
+every stream that names it (lists.py: ``list_tree``'s ``ListedTree``, checked
+against its directories' mtimes): its files' located paths, packed, and where
+each class folder's files lie, so that folder labels are numbered a class
+folder at a time rather than a sample at a time.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import posixpath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -46,11 +54,13 @@ from ..storage.roots import Storage, is_s3
 from .names import SampleNames
 from .planning import PlanStopped
 
-__all__ = ["FolderError", "Listing", "SampleFiles", "as_directory", "below", "folder_labels",
-           "is_directory", "list_directory"]
+__all__ = ["FolderError", "ListedNames", "ListedTree", "Listing", "SampleFiles", "as_directory",
+           "below", "folder_labels", "is_directory", "list_directory", "list_tree"]
 
 # Keys listed between two looks at whether the call still wants them (an S3 page's worth).
 _STOP_CHECK_KEYS = 1000
+
+Answer = TypeVar("Answer")
 
 
 class FolderError(ValueError):
@@ -74,14 +84,55 @@ class Listing:
     directory: str
 
 
+@dataclass(eq=False)
+class ListedTree:
+    """A local directory's sample files (``list_directory``'s, in its order), as kept and
+    shared (lists.py): their located paths, packed; the files directly in it first
+    (samples ``0:loose``), then those under each of its subdirectories ``folders``
+    (sorted: the classes on disk), folder k's at ``bounds[k]:bounds[k + 1]``; and every
+    directory listed, the top one first."""
+
+    directory: str
+    paths: SampleNames
+    loose: int
+    folders: list[str]
+    bounds: np.ndarray
+    directories: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return self.paths.nbytes + self.bounds.nbytes
+
+
+class ListedNames(Sequence[str]):
+    """A listed tree's samples named as a request named its directory (``name``, then each
+    file's path below it), made when asked: the tree's packed paths serve every
+    request, however it spelled the directory."""
+
+    def __init__(self, name: str, tree: ListedTree):
+        self._name, self._tree = name, tree
+
+    def __len__(self) -> int:
+        return len(self._tree.paths)
+
+    def __getitem__(self, index):  # an int (the protocol's slices are not asked for)
+        return posixpath.join(self._name, below(self._tree.paths[index], self._tree.directory))
+
+    def by_suffix(self, answer: Callable[[str], Answer]) -> tuple[list[Answer], np.ndarray]:
+        """``SampleNames.by_suffix``: a name ends with its path's file name."""
+        return self._tree.paths.by_suffix(answer)
+
+
 @dataclass
 class SampleFiles:
     """A request's samples after directories are listed: names for messages, located
-    paths (packed sequences, request.py), and which of them came from which listing."""
+    paths (packed sequences, request.py), and which of them came from which listing;
+    ``tree`` when they are one kept tree's, alone."""
 
     names: Sequence[str]
     paths: LocatedPaths | SampleNames
     listings: list[Listing] = field(default_factory=list)
+    tree: ListedTree | None = None
 
 
 def is_directory(path: str, name: str, storage: Storage) -> bool:
@@ -120,6 +171,23 @@ def list_directory(directory: str, name: str, storage: Storage, limit: int,
     """
     if is_s3(directory):
         return _list_prefix(directory, name, storage, limit, stopped)
+    return _list_local(directory, name, storage, limit, stopped)[0]
+
+
+def list_tree(directory: str, name: str, storage: Storage, limit: int,
+              stopped: Callable[[], bool] = lambda: False) -> ListedTree:
+    """``list_directory`` of a local directory, as a ``ListedTree``; raises as it does."""
+    files, folders, bounds, directories = _list_local(directory, name, storage, limit, stopped)
+    paths = SampleNames.pack(files)
+    del files
+    return ListedTree(directory, paths, bounds[0], folders, np.asarray(bounds, np.int64),
+                      directories)
+
+
+def _list_local(directory: str, name: str, storage: Storage, limit: int,
+                stopped: Callable[[], bool]) -> tuple[list[str], list[str], list[int], list[str]]:
+    """(the files, the sorted subdirectories, where each one's files begin and the last
+    end, every directory listed) of a local ``list_directory``."""
     if storage.root_of(os.path.realpath(directory)) is None:
         raise OutsideDataRoots(f"{name!r} resolves outside the data roots")
     files, subdirs = [], []
@@ -129,15 +197,19 @@ def list_directory(directory: str, name: str, storage: Storage, limit: int,
         elif is_sample_file(entry.name):
             files.append(os.path.join(directory, entry.name))
     files.sort()
+    subdirs.sort()
+    bounds, directories = [len(files)], [directory]
     seen = {os.path.realpath(directory)}
-    for subdir in sorted(subdirs):
+    for subdir in subdirs:
         _check_limit(len(files), limit, name)
         walked = _walk(os.path.join(directory, subdir), name, storage, seen, limit - len(files),
                        stopped)
         for parent, names in sorted(walked):
             files.extend(os.path.join(parent, n) for n in sorted(names))
+            directories.append(parent)
+        bounds.append(len(files))
     _check_limit(len(files), limit, name)
-    return files
+    return files, subdirs, bounds, directories
 
 
 def _list_prefix(directory: str, name: str, storage: Storage, limit: int,
@@ -246,6 +318,8 @@ def folder_labels(samples: SampleFiles, classes: list[str], storage: Storage
     """
     if len(set(classes)) != len(classes) or not all(classes):
         raise FolderError("classes: class names must be distinct and non-empty")
+    if samples.tree is not None:
+        return _tree_labels(samples, samples.tree, classes)
     folders, datasets = _class_folders(samples, storage)
     if not classes:
         found = sorted(set(datasets))
@@ -268,6 +342,31 @@ def folder_labels(samples: SampleFiles, classes: list[str], storage: Storage
                               f"({samples.names[i]!r}) is in folder {folder!r}, which is not "
                               f"a class (classes: {shown})")
         labels[i] = label
+    return labels, list(classes)
+
+
+def _tree_labels(samples: SampleFiles, tree: ListedTree, classes: list[str]
+                 ) -> tuple[np.ndarray, list[str]]:
+    """``folder_labels`` of one kept tree's samples: its class folders' numbers, a folder
+    at a time, refused as ``folder_labels`` refuses (the first sample at fault). The
+    classes on disk are the tree's folders: it was found unchanged when asked for."""
+    if tree.loose:
+        raise FolderError(f"label_source: LABELS_FROM_FOLDER: samples[0] ({samples.names[0]!r}) "
+                          f"is not in a class folder under a dataset directory")
+    classes = classes or tree.folders
+    number = {name: i for i, name in enumerate(classes)}
+    labels = np.empty(len(tree.paths), dtype=np.int64)
+    for folder, start, stop in zip(tree.folders, tree.bounds[:-1].tolist(),
+                                   tree.bounds[1:].tolist()):
+        if start == stop:
+            continue
+        label = number.get(folder)
+        if label is None:
+            shown = ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else "")
+            raise FolderError(f"label_source: LABELS_FROM_FOLDER: samples[{start}] "
+                              f"({samples.names[start]!r}) is in folder {folder!r}, which is "
+                              f"not a class (classes: {shown})")
+        labels[start:stop] = label
     return labels, list(classes)
 
 

@@ -35,11 +35,15 @@ class Planning(Generic[Plan]):
 
     ``make`` gets a ``stopped()`` callable to check in its long loops (raising
     ``PlanStopped`` when true). ``when_finished(callback)`` runs ``callback``
-    once the thread has ended (at once if it has).
+    once the thread has ended (at once if it has). ``discard(plan)`` is given a
+    plan made after ``stop()``, which nobody will take (to let go of what it
+    holds: a shared list).
     """
 
-    def __init__(self, make: Callable[[Callable[[], bool]], Plan]):
+    def __init__(self, make: Callable[[Callable[[], bool]], Plan],
+                 discard: Callable[[Plan], None] = lambda plan: None):
         self._make = make
+        self._discard = discard
         self._cond = threading.Condition()
         self._stopped = False
         self._finished = False
@@ -63,8 +67,13 @@ class Planning(Generic[Plan]):
         (without waiting for the thread to notice)."""
         with self._cond:
             self._cond.wait_for(lambda: self._finished or self._stopped)
-            if self._stopped:
-                raise PlanStopped("the call ended while its stream was being planned")
+            unwanted, self._plan = (self._plan, None) if self._stopped else (None, self._plan)
+            stopped = self._stopped
+        if stopped:  # a plan made just before stop() is not taken either
+            if unwanted is not None:
+                self._discard(unwanted)
+            raise PlanStopped("the call ended while its stream was being planned")
+        with self._cond:
             if self._error is not None:
                 error, self._error = self._error, None  # its traceback holds frames
                 raise error
@@ -88,10 +97,13 @@ class Planning(Generic[Plan]):
             error = None
         with self._cond:
             self._finished = True
-            if not self._stopped:  # else nobody will ask: drop it now
+            unwanted = self._stopped
+            if not unwanted:  # else nobody will ask: drop it now
                 self._plan, self._error = plan, error
             callback, self._on_finished = self._on_finished, None
             self._cond.notify_all()
+        if unwanted and plan is not None:
+            self._discard(plan)
         del plan, error
         if callback is not None:
             callback()

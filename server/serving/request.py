@@ -3,12 +3,19 @@
 Every check names the request field at fault. Nothing here decodes or reads
 sample files (a missing or corrupt sample fails only that sample, later); only
 the list file, when one is named, is read here (at most ``--max-list-bytes``,
-and at most ``--max-samples`` of its lines are worked on), and directories
-named as samples are listed (folders.py).
+and at most ``--max-samples`` of its lines are worked on: listfile.py), and
+directories named as samples are listed (folders.py).
+
+A list file, or a directory named alone, is read once for every stream of the
+server that names it, and shared (lists.py): the plan holds it until the
+stream ends (``StreamPlan.release``). What planning asks of every name (a
+sample file? which kind? a tar shard?) is asked once per distinct suffix
+(names.py), not once per name.
 
 A plan is kept compact (names packed, batches as views of one order array, see
 names.py and order.py): its size, ``StreamPlan.nbytes``, counts against the
-server's memory budget with the stream's ring.
+server's memory budget with the stream's ring; a shared list counts there once,
+not in each plan.
 """
 
 from __future__ import annotations
@@ -16,9 +23,8 @@ from __future__ import annotations
 import os
 import posixpath
 import weakref
-from array import array
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,6 +47,7 @@ from ..media.samples import (
     RowReader,
     VideoRows,
     is_sample_file,
+    kind_of,
     sample_kind,
 )
 from ..memory.budget import return_free_memory
@@ -61,6 +68,8 @@ from .batchnames import BatchNames, name_room
 from .errors import Forbidden, InvalidRequest, LimitExceeded, NotFound, Unsupported
 from .folders import (
     FolderError,
+    ListedNames,
+    ListedTree,
     Listing,
     SampleFiles,
     TooManyFiles,
@@ -70,6 +79,8 @@ from .folders import (
     is_directory,
     list_directory,
 )
+from .listfile import ListFileError, parse_list
+from .lists import Hold, ParsedList, SharedLists
 from .names import SampleNames, TooManyNames
 from .order import Batches, EpochOrder, PhaseOverrun, resumed_order, split_batches
 from .planning import PlanStopped
@@ -82,7 +93,6 @@ _MAX_SIDE = 8192
 # phases, and world sizes up to this (a million ranks).
 _MAX_RESUMED = 64
 _MAX_WORLD_SIZE = 1 << 20
-_LIST_CHUNK = 1 << 20  # bytes of a list file decoded at a time
 # A plan this large gives the allocator's free memory back to the system when it goes.
 _TRIM_AFTER_BYTES = 8 << 20
 
@@ -117,6 +127,8 @@ class StreamPlan:
     # JPEG rows are read by the decode threads and decoded a batch at a time at the
     # batch's end (--decoder nvimgcodec: media/batch_jpeg.py).
     defers: bool = False
+    # The lists it reads (lists.py: its names, labels), held until ``release``.
+    held: list[Hold] = field(default_factory=list)
 
     @property
     def num_slots(self) -> int:
@@ -129,19 +141,40 @@ class StreamPlan:
 
     @property
     def nbytes(self) -> int:
-        """What the plan keeps in memory: packed names, sample order, labels."""
-        labels = 0 if self.labels is None else self.labels.nbytes
-        return self.paths.nbytes + self.batches.order.nbytes + labels
+        """What the plan keeps in memory of its own: its sample order, and the packed names
+        and labels unless a shared list holds them (that counts them once, lists.py)."""
+        shared = {id(part) for hold in self.held if hold.shared
+                  for part in _parts(hold.value)}
+        names = getattr(self.paths, "names", self.paths)  # LocatedPaths: its packed names
+        own = self.batches.order.nbytes
+        if id(names) not in shared:
+            own += self.paths.nbytes
+        if self.labels is not None and id(self.labels) not in shared:
+            own += self.labels.nbytes
+        return own
+
+    def release(self) -> None:
+        """Let go of the shared lists the plan holds (the stream has ended); more calls do
+        nothing."""
+        for hold in self.held:
+            hold.release()
+
+
+def _parts(value: ParsedList | ListedTree) -> tuple:
+    """A shared list's arrays a plan may hold: a list file's names and labels, a tree's paths."""
+    return (value.names, value.labels) if isinstance(value, ParsedList) else (value.paths,)
 
 
 def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
                 transports: tuple[int, ...], stopped: Callable[[], bool] = lambda: False,
-                *, batch_decode: bool = False) -> StreamPlan:
+                *, batch_decode: bool = False, lists: SharedLists | None = None
+                ) -> StreamPlan:
     """``req`` checked into a plan, or the refusal (errors.py) naming the field at fault;
-    ``PlanStopped`` once ``stopped()`` (the call ended: planning.py) while tar shards
-    are indexed. ``batch_decode``: the server decodes JPEGs a batch at a time
-    (``--decoder nvimgcodec``), which a plan of loose images without fields or
-    sample transforms (they need each row's pixels as it is read) does.
+    ``PlanStopped`` once ``stopped()`` (the call ended: planning.py) while a list file
+    is read, a directory listed or tar shards indexed. ``batch_decode``: the server
+    decodes JPEGs a batch at a time (``--decoder nvimgcodec``), which a plan of loose
+    images without fields or sample transforms (they need each row's pixels as it is
+    read) does.
 
     In order: the sample names (files, list file, directories; bounded by the
     limits before they are built); tar shards, indexed, or loose files, located
@@ -149,20 +182,47 @@ def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
     transforms and layout; prefetch and the batch's size against the limits; the
     transport and compression; the sample order and the batches this stream
     serves. The plan's memory is reserved by the servicer afterwards, once its
-    size is known, so that a refused request reserves nothing.
+    size is known, so that a refused request reserves nothing. With ``lists``, a
+    list file or a directory named alone is the server's shared one, held by the
+    plan (``StreamPlan.release``); a refusal lets go of it at once.
     """
-    names, listed_labels, prefix = _sample_names(req, storage, limits)
+    held: list[Hold] = []
+    try:
+        plan = _plan(req, storage, limits, transports, stopped, batch_decode, lists, held)
+    except BaseException:
+        for hold in held:
+            hold.release()
+        raise
+    if plan.nbytes >= _TRIM_AFTER_BYTES:
+        weakref.finalize(plan, return_free_memory)
+    if len(plan.paths) * 8 >= _TRIM_AFTER_BYTES:
+        return_free_memory()  # planning's working arrays over the whole list, freed now
+    if held:  # a plan dropped without release (not the servicer's) lets go when collected
+        weakref.finalize(plan, _release_all, tuple(held))
+    return plan
+
+
+def _release_all(held: tuple[Hold, ...]) -> None:
+    for hold in held:
+        hold.release()
+
+
+def _plan(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
+          transports: tuple[int, ...], stopped: Callable[[], bool], batch_decode: bool,
+          lists: SharedLists | None, held: list[Hold]) -> StreamPlan:
+    names, listed_labels, prefix = _sample_names(req, storage, limits, stopped, lists, held)
     if not names:
         raise InvalidRequest("samples: the list is empty")
     shards = _tar_shards(req, names, prefix, storage, limits, stopped)  # shards.py, or None
     if shards:
         paths, labels, classes, kind = None, None, [], IMAGE
     else:
-        samples = _sample_files(names, prefix, storage, limits.max_samples, stopped)
+        samples = _sample_files(names, prefix, storage, limits.max_samples, stopped, lists,
+                                held)
         names, paths = samples.names, samples.paths
         labels, classes = _labels(req, samples, listed_labels, storage)
         try:
-            kind = sample_kind(names)
+            kind = _sample_kind(names)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -231,12 +291,10 @@ def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
                       compress=compress, fields=fields, sample_transforms=sample_transforms,
                       names=batch_names, resumed=resumed,
                       defers=batch_decode and type(reader) is ImageRows and fields is None
-                      and sample_transforms is None)
+                      and sample_transforms is None, held=held)
     if isinstance(reader, ShardRows):  # S3 chunks run over the samples the stream reads
         served = [batches[k] for k in range(plan.start_batch, len(batches))]
         reader.will_read(np.concatenate(served) if served else order[:0])
-    if plan.nbytes >= _TRIM_AFTER_BYTES:
-        weakref.finalize(plan, return_free_memory)
     return plan
 
 
@@ -545,12 +603,15 @@ def _labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: np.ndarra
     raise InvalidRequest(f"label_source: unknown value {source}")
 
 
-def _sample_names(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits
+def _sample_names(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
+                  stopped: Callable[[], bool], lists: SharedLists | None, held: list[Hold]
                   ) -> tuple[SampleNames, np.ndarray | None, str]:
     """The sample names, the list file's labels when label_source asks for them, the prefix.
 
     A directory given as list_file is one name, located as a list file is
-    (without the prefix), and listed later like a directory in ``files``.
+    (without the prefix), and listed later like a directory in ``files``. A
+    list file is parsed by listfile.py: the server's shared parse with
+    ``lists`` (then held in ``held``), else this stream's own.
     """
     kind = req.WhichOneof("samples")
     if kind == "files":
@@ -559,14 +620,21 @@ def _sample_names(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits
         raise InvalidRequest("samples: give either files or list_file")
     if "\0" in req.list_file:
         raise InvalidRequest(f"list_file: {req.list_file!r} contains a NUL byte")
+    labelled = req.label_source == feed_pb2.LABELS_FROM_LIST_FILE
     try:
         path = storage.locate(req.list_file)
         if storage.is_directory(path):
-            if req.label_source == feed_pb2.LABELS_FROM_LIST_FILE:
+            if labelled:
                 raise InvalidRequest(f"list_file: {req.list_file!r} is a directory; labels from "
                                      "the list file need a list file")
             return _pack([req.list_file], limits), None, ""
-        data = storage.read(path, limits.max_list_bytes, "--max-list-bytes")
+        if lists is not None:
+            hold = lists.list_file(storage, path, labelled, limits, stopped)
+            held.append(hold)
+            names, labels = hold.value.names, hold.value.labels
+        else:
+            data = storage.read(path, limits.max_list_bytes, "--max-list-bytes")
+            names, labels = parse_list(data, labelled, limits.max_samples, stopped)
     except OutsideDataRoots as e:
         raise Forbidden(f"list_file: {e}") from None
     except (FileNotFoundError, IsADirectoryError):
@@ -576,97 +644,54 @@ def _sample_names(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits
         raise LimitExceeded(f"list_file: {req.list_file!r} is a {e}") from None
     except OSError as e:
         raise InvalidRequest(f"list_file: cannot read {req.list_file!r}: {e}") from None
-    lines = _list_lines(data)
-    if req.label_source != feed_pb2.LABELS_FROM_LIST_FILE:
-        return _pack(_unlabelled(lines, req.list_file), limits, req.list_file), None, req.prefix
-    labels = array("q")
-    names = _pack(_split_labels(lines, labels), limits, req.list_file)
-    return (names, np.frombuffer(labels, np.int64) if labels else np.zeros(0, np.int64),
-            req.prefix)
+    except ListFileError as e:
+        raise (LimitExceeded if e.limit else InvalidRequest)(e.message(req.list_file)) from None
+    return names, labels, req.prefix
 
 
-def _pack(names: Iterable[str], limits: Limits, list_file: str = "") -> SampleNames:
+def _pack(names: Iterable[str], limits: Limits) -> SampleNames:
     try:
         return SampleNames.pack(names, limit=limits.max_samples)
     except TooManyNames:
         raise LimitExceeded(f"samples: more than {limits.max_samples} samples, over the "
                             f"server's --max-samples {limits.max_samples}") from None
-    except UnicodeDecodeError as e:
-        raise InvalidRequest(f"list_file: cannot read {list_file!r}: {e}") from None
 
 
-def _list_lines(data: bytes) -> Iterator[str]:
-    """The non-blank lines of a list file, stripped, decoded a chunk at a time: no
-    list of every line is ever made."""
-    start = 0
-    while start < len(data):
-        end = data.find(b"\n", start + _LIST_CHUNK)
-        end = len(data) if end < 0 else end + 1
-        for line in data[start:end].decode("utf-8").splitlines():
-            if line := line.strip():
-                yield line
-        start = end
+def _names_shards(names: SampleNames) -> bool:
+    """shards.py's ``names_shards``, over packed names at once where no name has a brace."""
+    if names.contains("{"):
+        # types: SampleNames is a sequence of str, not a list
+        return names_shards(names)  # pyright: ignore[reportArgumentType]
+    shards = names.ends_with(".tar")
+    if not len(shards) or not shards.any():
+        return False
+    if shards.all():
+        return True
+    first, loose = int(np.argmax(shards)), int(np.argmin(shards))
+    return names_shards([names[min(first, loose)], names[max(first, loose)]])  # raises
 
 
-def _split_labels(lines: Iterable[str], labels: array) -> Iterator[str]:
-    """The paths of labelled lines; their labels are appended to ``labels``.
-
-    A line is a path and an integer label. If the first line has a TAB, every
-    line is ``path<TAB>label``; otherwise the label is the last whitespace-separated
-    word and the path what comes before it (Caffe's and mmcls's ``path label``):
-    ``my file.jpg 3`` is ``my file.jpg``, 3. Paths may hold spaces either way; the
-    whitespace between path and label is not the path's. Deciding once, from the
-    first line, keeps a line ``frame 12`` of a TAB file an error (a path with no
-    label) instead of a path ``frame`` labelled 12.
-    """
-    tabs = None
-    for number, line in enumerate(lines, 1):
-        if tabs is None:
-            tabs = "\t" in line
-        split = _split_line(line, tabs)
-        try:
-            if split is None:
-                raise ValueError
-            labels.append(split[1])
-        except (ValueError, OverflowError):
-            form = "path<TAB>integer label" if tabs else "path, whitespace, integer label"
-            raise InvalidRequest(f"list_file: line {number} is not `{form}`: {line!r}") from None
-        yield split[0]
+def _all_sample_files(names: Sequence[str]) -> bool:
+    """Whether every name is an image, video or array file's, once per distinct suffix."""
+    if isinstance(names, SampleNames):
+        answers, _ = names.by_suffix(is_sample_file)
+        return all(answers)
+    return all(is_sample_file(name) for name in names)
 
 
-def _split_line(line: str, tabs: bool) -> tuple[str, int] | None:
-    """(path, label) of a stripped list-file line (``_split_labels``'s rule); None when it
-    has no integer label after a path."""
-    if tabs:
-        name, _, label = line.rpartition("\t")
-    else:
-        words = line.rsplit(None, 1)
-        name, label = words if len(words) == 2 else ("", line)
-    name = name.rstrip()
-    if not name:
-        return None
-    try:
-        return name, int(label)
-    except ValueError:
-        return None
-
-
-def _unlabelled(lines: Iterator[str], list_file: str) -> Iterator[str]:
-    """A list file's lines as paths, for a request that did not ask for its labels;
-    refused when its first line is a labelled one (``_split_labels``'s), as every
-    sample would then fail to be found: a TAB and an integer at its end, or a sample
-    file's name (an image, video or array suffix), whitespace and an integer."""
-    first = next(lines, None)
-    if first is None:
-        return
-    labelled = _split_line(first, tabs="\t" in first)
-    if labelled is not None and ("\t" in first or is_sample_file(labelled[0])):
-        raise InvalidRequest(f"list_file: {list_file!r} has labels (its first line, {first!r}, "
-                             f"is a path and the label {labelled[1]}): pass labels=\"list_file\" "
-                             f"to use them (label_source LABELS_FROM_LIST_FILE), or list paths "
-                             f"only")
-    yield first
-    yield from lines
+def _sample_kind(names: Sequence[str]) -> str:
+    """samples.py's ``sample_kind``, asked once per distinct suffix where the names can
+    say which they have (packed names, a listed tree's)."""
+    by_suffix = getattr(names, "by_suffix", None)
+    if by_suffix is None:
+        return sample_kind(names)
+    kinds, codes = by_suffix(kind_of)
+    first = kinds[int(codes[0])]
+    others = [code for code, kind in enumerate(kinds) if kind != first]
+    if not others:
+        return first
+    other = int(np.flatnonzero(np.isin(codes, others))[0])
+    return sample_kind([names[0], names[other]])  # raises, naming the first of another kind
 
 
 def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
@@ -674,8 +699,7 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
                 ) -> ShardSet | None:
     """The named tar shards, indexed (shards.py); None when the names are loose files."""
     try:
-        # types: SampleNames is a sequence of str, not a list
-        if not names_shards(names):  # pyright: ignore[reportArgumentType]
+        if not _names_shards(names):
             return None
         # A shard holds at least one sample (an unreadable one counts as one failed
         # sample): names over --max-samples, or --max-shards, are refused before they
@@ -710,17 +734,20 @@ def _tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
 
 
 def _sample_files(names: SampleNames, prefix: str, storage: Storage, max_samples: int,
-                  stopped: Callable[[], bool] = lambda: False) -> SampleFiles:
+                  stopped: Callable[[], bool] = lambda: False, lists: SharedLists | None = None,
+                  held: list[Hold] | None = None) -> SampleFiles:
     """Located paths, each directory among them replaced by the files under it.
 
     Only a name without an image, video or array suffix costs a system call
     (is it a directory?): a long list of files is checked lexically, as before,
-    and stays packed. A listing's names and paths are packed once it is done.
+    and stays packed. A listing's names and paths are packed once it is done. A
+    local directory named alone is the server's shared tree with ``lists``
+    (held in ``held``), its names made when asked.
     """
     if "\0" in prefix or names.contains("\0"):  # a list file's line too: no path holds one
         i = next(i for i, name in enumerate(names) if "\0" in prefix + name)
         raise InvalidRequest(f"samples[{i}]: {prefix + names[i]!r} contains a NUL byte")
-    if all(is_sample_file(name) for name in names):
+    if _all_sample_files(names):
         return SampleFiles(names, _located(names, prefix, storage))
     found_names: list[str] = []
     found_paths: list[str] = []
@@ -733,6 +760,11 @@ def _sample_files(names: SampleNames, prefix: str, storage: Storage, max_samples
                 found_paths.append(path)
                 continue
             path = as_directory(path)
+            if lists is not None and held is not None and len(names) == 1:
+                hold = lists.tree(storage, path, name, max_samples, stopped)
+                if hold is not None:
+                    held.append(hold)
+                    return _tree_files(hold.value, name)
             listed = list_directory(path, name, storage, max_samples - len(found_paths),
                                     stopped)
         except OutsideDataRoots as e:
@@ -752,6 +784,15 @@ def _sample_files(names: SampleNames, prefix: str, storage: Storage, max_samples
         raise LimitExceeded(f"samples: {len(found_paths)} samples is over the server's "
                             f"--max-samples {max_samples}")
     return SampleFiles(SampleNames.pack(found_names), SampleNames.pack(found_paths), listings)
+
+
+def _tree_files(tree: ListedTree, name: str) -> SampleFiles:
+    """The samples of a shared tree that a request named ``name`` (its only sample name)."""
+    if not len(tree.paths):
+        raise InvalidRequest(f"samples[0]: the directory {name!r} holds no image, video or "
+                             f"array files")
+    return SampleFiles(ListedNames(name, tree), tree.paths,
+                       [Listing(0, len(tree.paths), tree.directory)], tree)
 
 
 def _located(names: SampleNames, prefix: str, storage: Storage) -> LocatedPaths:

@@ -52,6 +52,7 @@ from .errors import (
     UnpaddableBatch,
     Unsupported,
 )
+from .lists import IDLE_SECONDS, SharedLists
 from .planning import Planning, PlanStopped
 from .pool import DecodePool
 from .request import StreamPlan, plan_stream
@@ -109,11 +110,16 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
     memory is freed. Status codes are chosen here, at the gRPC edge; the modules
     below raise. ``drain(grace)`` refuses new streams and ends open ones after
     ``grace`` seconds. Thread-safe: gRPC calls every method from its own threads.
+
+    A list file or directory tree is read once for all the streams that name it
+    (lists.py), held by each stream's plan until the stream ends, and kept
+    ``list_idle_seconds`` after the last one; it counts once in the memory budget.
     """
 
     def __init__(self, storage: Storage, pool: DecodePool[Decoders], shm: ShmNamespace,
                  limits: Limits, max_streams: int, metrics: ServerMetrics | None = None,
-                 device=None, watchdog: Watchdog | None = None, *, batch_decode: bool = False):
+                 device=None, watchdog: Watchdog | None = None, *, batch_decode: bool = False,
+                 list_idle_seconds: float = IDLE_SECONDS):
         self._watchdog = watchdog if watchdog is not None else Watchdog()
         self._storage = storage
         self._device = device  # a torch.device for cuda:N; None on a CPU server
@@ -131,6 +137,10 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         self._draining = False
         self._jobs = JobRegistry()
         self._memory = MemoryBudget(limits.max_memory_bytes)  # every stream's ring and plan
+        # The lists streams share, counted once in the budget; unused ones go before a refusal.
+        self.lists = SharedLists(self._memory, list_idle_seconds, self._metrics.list_parsed)
+        self._memory.reclaim = self.lists.reclaim
+        self._metrics.watch_lists(self.lists.held)
         self._lock = threading.Condition()
 
     def Info(self, request, context):
@@ -153,15 +163,17 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         if refusal is not None:
             self._refuse(context, *refusal)
         reserved = 0
+        held: StreamPlan | None = None  # its shared lists are let go when the call ends
         planning = Planning(partial(plan_stream, first.open, self._storage, self._limits,
-                                    self.transports, batch_decode=self._batch_decode))
+                                    self.transports, batch_decode=self._batch_decode,
+                                    lists=self.lists), discard=StreamPlan.release)
         try:
             with self._lock:
                 self._plannings.add(planning)
             if not context.add_callback(planning.stop):  # the call has ended already
                 planning.stop()
             try:
-                plan = self._planned(planning)
+                plan = held = self._planned(planning)
                 reserved = self._memory.reserve(
                     plan.num_slots * plan.layout.slot_bytes + plan.nbytes,
                     f"this stream ({plan.num_slots} slots of {plan.layout.slot_bytes} bytes, "
@@ -175,12 +187,16 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             else:
                 refusal = None
             if refusal is not None:  # refused outside `except`: see _serve
-                plan = None
+                if held is not None:
+                    held.release()
+                plan = held = None
                 self._refuse(context, *refusal)
             # types: plan is set unless _refuse raised
             yield from self._serve(plan, job, memory, request_iterator, context)  # pyright: ignore[reportArgumentType]
         finally:
             self._memory.give_back(reserved)
+            if held is not None:
+                held.release()
             with self._lock:
                 self._plannings.discard(planning)
                 self._open_streams -= 1
@@ -220,6 +236,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                     stream.cancel(Draining("the server is shutting down; resume from your "
                                            "position"))
                 self._lock.wait_for(lambda: self._open_streams == 0, timeout=5.0)
+        self.lists.close()  # no idle list is kept for a later stream
 
     def _enter(self) -> tuple[grpc.StatusCode, str] | None:
         """Admit a stream, or say why not."""
