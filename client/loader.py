@@ -218,7 +218,8 @@ class Loader:
     def state_dict(self) -> dict:
         """{"epoch", "samples_consumed", "world_size", "resumed_from", "fingerprint"}:
         what the next batch will be, in samples of its epoch's order at this world size
-        (an epoch whose last batch was taken is the next one's start; resume.py), and
+        (of the current phase's order in an epoch resumed at another world size; an
+        epoch whose last batch was taken is the next one's start; resume.py), and
         what request it is of. A loader restored from it does what this one will."""
         return self._where().state(self.batch_size, self._fingerprint)
 

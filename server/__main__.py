@@ -25,7 +25,7 @@ _SERVER_EXTRA = ("av", "prometheus_client", "grpc_health", "grpc_reflection")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpufeed-server", description=__doc__)
     p.add_argument("--version", action="version", version=f"gpufeed-server {gpufeed.__version__}")
-    p.add_argument("--listen", default="0.0.0.0:50051",
+    p.add_argument("--listen", default=ServerConfig.listen,
                    help="HOST:PORT to serve gRPC on; port 0 picks a free one (default %(default)s)")
     p.add_argument("--data-root", action="append", required=True, metavar="DIR",
                    help="directory, or s3://bucket/prefix, requests may read from (repeatable)")
@@ -49,16 +49,16 @@ def _parser() -> argparse.ArgumentParser:
                         "transforms requests may name (README.md, 'Sample transforms')")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="decode threads shared by all streams (default: cores, %(default)s)")
-    p.add_argument("--device", default="cpu",
+    p.add_argument("--device", default=ServerConfig.device,
                    help="cpu, or cuda:N to assemble batches on that GPU and offer cuda_ipc "
                         "(default %(default)s)")
     p.add_argument("--decoder", default=ServerConfig.decoder, choices=("cpu", "nvimgcodec"),
                    help="cpu: JPEGs decoded by libjpeg-turbo on the decode threads; nvimgcodec: "
                         "a batch at a time by nvImageCodec on --device (a GPU, or its CPU "
                         "backend), other formats on the decode threads (default %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=0,
+    p.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port,
                    help="port for Prometheus /metrics, on the --listen host (0: off)")
-    p.add_argument("--max-streams", type=int, default=64,
+    p.add_argument("--max-streams", type=int, default=ServerConfig.max_streams,
                    help="concurrent streams (default %(default)s)")
     p.add_argument("--max-waiting-calls", type=int, default=ServerConfig.max_waiting_calls,
                    help="calls that have not sent their first message (a Stream its request) "
@@ -120,6 +120,8 @@ def _check(args: argparse.Namespace, plugins: list[str]) -> None:
         error("--threads must be at least 1")
     if args.max_waiting_calls < 1 or not args.open_timeout > 0:
         error("--max-waiting-calls and --open-timeout must be positive")
+    if not (args.s3_connect_timeout > 0 and args.s3_read_timeout > 0):
+        error("--s3-connect-timeout and --s3-read-timeout must be positive")
     if bool(args.tls_cert) != bool(args.tls_key):
         error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
@@ -142,9 +144,10 @@ def _check(args: argparse.Namespace, plugins: list[str]) -> None:
             error(f"--{flag.replace('_', '-')}: {path!r} is not a file")
 
 
-# Seconds a stop may take beyond --drain-seconds (ending the calls, joining the threads,
-# unlinking shared memory) before the process exits regardless.
-_STOP_SECONDS = 5.0
+# Seconds a stop may take beyond --drain-seconds before the process exits regardless:
+# the drain's own wait for the streams it ended (5 s), gRPC's stop (1 s), joining the
+# threads and unlinking shared memory, with room to spare.
+_STOP_SECONDS = 10.0
 
 
 def _exit_by(seconds: float, log: logging.Logger) -> None:

@@ -50,7 +50,7 @@ __all__ = ["LIST_KINDS", "REFUSAL_CODES", "STAGES", "ServerMetrics"]
 # batch: a batch from its first row queued to its last row done (queueing included);
 # device_copy: host-to-device copy of a batch (only where a GPU is attached);
 # send: a batch message handed to gRPC until gRPC takes the next (flow control included).
-STAGES = ("read", "decode", "batch", "device_copy", "send")
+STAGES = ("read", "decode", "batch_decode", "batch", "device_copy", "send")
 # The statuses a Stream is refused with (service.py), each a series from the start.
 REFUSAL_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
                  "UNAVAILABLE")

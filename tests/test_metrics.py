@@ -162,7 +162,8 @@ def test_counters_equal_what_the_client_received(data_root):
         assert _value(text, "gpufeed_sample_failures_total", category=category) == 0
 
     stage_count = {s: _value(text, "gpufeed_stage_duration_seconds_count", stage=s) for s in STAGES}
-    assert stage_count == {"read": 24, "decode": 22, "batch": 12, "device_copy": 0, "send": 12}
+    assert stage_count == {"read": 24, "decode": 22, "batch_decode": 0, "batch": 12,
+                           "device_copy": 0, "send": 12}
     assert _value(text, "gpufeed_stage_duration_seconds_bucket", stage="send", le="+Inf") == 12
     assert _value(text, "gpufeed_decode_queue_tasks") == 0
     assert _value(text, "gpufeed_decode_threads") == 2

@@ -230,6 +230,33 @@ def test_a_local_shard_replaced_after_its_index_fails_its_samples_not_shifted(tm
         assert loader.failures == []
 
 
+def test_a_local_shard_written_in_place_while_read_fails_its_rest(tmp_path):
+    """``cp`` over a shard (or ``rsync --inplace``) keeps its inode: the descriptor a stream
+    has open then reads the new bytes. Every read is checked after it is made, so no
+    sample of the new version is delivered under the old index; the rest fail, named."""
+    folder = tmp_path / "inplace"
+    folder.mkdir()
+    old = _samples(range(8)) + _END
+    (folder / "s-0.tar").write_bytes(old)
+    new = _samples(range(8), labels={i: 2000 + 7 * i for i in range(8)}) + _END
+    assert len(new) == len(old)  # same offsets, other labels
+    with ServerProcess(["--data-root", str(tmp_path), "--threads", "1"]) as server, \
+            FeedClient(server.address) as client:
+        loader = client.loader(["inplace/s-0.tar"], batch_size=1, prefetch=1, size=SIZE,
+                               failure_budget=8)
+        delivered = []
+        for batch in loader:
+            if not delivered:
+                with open(folder / "s-0.tar", "r+b") as f:  # same inode, new bytes
+                    f.write(new)
+            delivered += _delivered([batch])
+    failed = sorted(f.index for f in loader.failures)
+    assert failed and sorted([i for i, _, _ in delivered] + failed) == list(range(8))
+    _check_samples(delivered, {i: (label_of(i), i) for i, _, _ in delivered})  # old, all
+    for failure in loader.failures:
+        assert "shard changed since it was indexed" in failure.reason, failure
+
+
 # -- bounds on indexing --------------------------------------------------------------
 
 def test_a_request_naming_more_shards_than_max_shards_is_refused_before_indexing(root):

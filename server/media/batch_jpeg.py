@@ -14,11 +14,14 @@ then resampled to the output on the decoder's device by two matrix products
 whose weights are the CPU path's filter over the box's exact, sub-pixel
 position (``resample_weights``: Pillow's bilinear triangle, widened when
 shrinking, as server/media/_jpeg.c computes it), mirrored for a flip, and
-written into the batch's row. The CPU path rounds between its two passes and
-uses fixed-point weights, this path does neither: the two differ by at most a
-level or two per pixel. What this path does not take (another format, a CMYK or
-YCCK JPEG) or cannot decode (a broken file) is decoded by the CPU path from the
-same bytes, so it comes out, or fails, exactly as without the flag.
+written into the batch's row: within a level or two of Pillow cropping and
+resizing the same box. It agrees as closely with the CPU path where that decodes
+at full scale; where the box is twice the output or more, the CPU path lets
+libjpeg shrink it in the IDCT (a coarser filter, ~30 dB against Pillow), and this
+path, decoding the region at full scale, is the closer of the two. What this path
+does not take (another format, a CMYK or YCCK JPEG) or cannot decode (a broken
+file) is decoded by the CPU path from the same bytes, so it comes out, or fails,
+exactly as without the flag.
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ class ImageRows(RowReader):
         drawn from that size now); anything else, or fields beside the image (they need
         the pixels' window first), is decoded now."""
         data, read = self._read(storage, path, index, stages)
-        size = declared_size(data) if self.fields is None and decoders.batch is not None \
+        size = declared_size(data) if self.fields is None and decoders.batch_device is not None \
             and batch_jpeg.takes(data) else None
         if size is None:
             self._decode(storage, path, index, data, arrays, row, decoders, stages, read)
@@ -229,8 +229,8 @@ class ImageRows(RowReader):
             _log.exception("nvImageCodec's batched decode failed; decoding the batch's %d "
                            "JPEGs on the decode thread", len(deferred))
             left = deferred
-        finally:
-            stages["decode"].observe(perf_counter() - started)
+        finally:  # per batch: its own stage, not a sample's "decode"
+            stages["batch_decode"].observe(perf_counter() - started)
         failed: list[tuple[int, BaseException]] = []
         for job in left:
             crop = lambda h, w, box=job.box: box  # noqa: E731 (the box already drawn)

@@ -82,8 +82,9 @@ def name_room(storage: Storage, paths: SamplePaths, reader: RowReader, prefix: s
     if isinstance(reader, ShardRows):
         longest = reader.longest_name(storage)
     elif isinstance(paths, LocatedPaths) and isinstance(paths.names, SampleNames):
-        added = len(storage.shown(storage.locate("x")).encode()) - 1
-        longest = len(prefix.encode()) + paths.names.longest + max(0, added)
+        added = len(storage.shown(storage.locate("x")).encode(errors="surrogateescape")) - 1
+        longest = len(prefix.encode(errors="surrogateescape")) + paths.names.longest \
+            + max(0, added)
     elif isinstance(paths, SampleNames):
         longest = paths.longest
     else:  # no bound known without a name per sample: the most a name may take

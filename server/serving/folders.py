@@ -55,7 +55,7 @@ from .names import SampleNames
 from .planning import PlanStopped
 
 __all__ = ["FolderError", "ListedNames", "ListedTree", "Listing", "SampleFiles", "as_directory",
-           "below", "folder_labels", "is_directory", "list_directory", "list_tree"]
+           "below", "folder_labels", "list_directory", "list_tree", "names_a_directory"]
 
 # Keys listed between two looks at whether the call still wants them (an S3 page's worth).
 _STOP_CHECK_KEYS = 1000
@@ -135,9 +135,10 @@ class SampleFiles:
     tree: ListedTree | None = None
 
 
-def is_directory(path: str, name: str, storage: Storage) -> bool:
-    """Whether a located path is a directory (roots.py's ``Storage.is_directory``);
-    FolderError, named, when S3 cannot be asked."""
+def names_a_directory(path: str, name: str, storage: Storage) -> bool:
+    """Whether a located path is a directory (``Storage.is_directory``, which raises
+    OSError), for a request's sample name: FolderError naming ``name`` when S3 cannot
+    be asked."""
     try:
         return storage.is_directory(path)
     except OutsideDataRoots:

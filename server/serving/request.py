@@ -76,8 +76,8 @@ from .folders import (
     as_directory,
     below,
     folder_labels,
-    is_directory,
     list_directory,
+    names_a_directory,
 )
 from .listfile import ListFileError, parse_list
 from .lists import Hold, ParsedList, SharedLists
@@ -93,6 +93,9 @@ _MAX_SIDE = 8192
 # phases, and world sizes up to this (a million ranks).
 _MAX_RESUMED = 64
 _MAX_WORLD_SIZE = 1 << 20
+# Sample names located between two looks at whether the call still wants the plan (an
+# S3 name without a suffix costs a LIST to learn whether it is a directory).
+_STOP_CHECK_NAMES = 256
 # A plan this large gives the allocator's free memory back to the system when it goes.
 _TRIM_AFTER_BYTES = 8 << 20
 
@@ -753,9 +756,11 @@ def _sample_files(names: SampleNames, prefix: str, storage: Storage, max_samples
     found_paths: list[str] = []
     listings: list[Listing] = []
     for i, name in enumerate(names):
+        if i % _STOP_CHECK_NAMES == 0 and stopped():  # a name may cost a LIST on S3
+            raise PlanStopped("the call ended while its sample names were located")
         try:
             path = storage.locate(prefix + name)
-            if is_sample_file(name) or not is_directory(path, name, storage):
+            if is_sample_file(name) or not names_a_directory(path, name, storage):
                 found_names.append(name)
                 found_paths.append(path)
                 continue

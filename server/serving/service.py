@@ -229,9 +229,9 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         """Refuse new streams; give open ones ``grace`` seconds, then end them UNAVAILABLE."""
         with self._lock:
             self._draining = True
+            for planning in self._plannings:  # not yet served: ended now (UNAVAILABLE)
+                planning.stop()
             if not self._lock.wait_for(lambda: self._open_streams == 0, timeout=grace):
-                for planning in self._plannings:
-                    planning.stop()
                 for stream in self._streams:
                     stream.cancel(Draining("the server is shutting down; resume from your "
                                            "position"))

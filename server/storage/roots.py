@@ -276,16 +276,23 @@ class Storage:
         index was made from, that it is still that file (ShardChanged if not). The
         descriptor keeps that file whatever is renamed over its path later."""
         fd = self._local_roots(path).open_checked(path, _CONTAINER)
-        if version:
-            try:
-                now = os.fstat(fd)
-                if _local_version(now) != version:
-                    raise ShardChanged(f"shard changed since it was indexed: "
-                                       f"{_what_changed(version, now)}")
-            except BaseException:
-                os.close(fd)
-                raise
+        try:
+            self.check_unchanged(fd, version)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
+
+    def check_unchanged(self, fd: int, version: str) -> None:
+        """ShardChanged when an open local shard is no longer the ``version`` its index
+        was made from: replaced (another file at its path when opened) or written in
+        place (``cp`` over it, ``rsync --inplace``: its size or mtime moved). Checked
+        after each read too, so bytes read while it changed are never used."""
+        if version:
+            now = os.fstat(fd)
+            if _local_version(now) != version:
+                raise ShardChanged(f"shard changed since it was indexed: "
+                                   f"{_what_changed(version, now)}")
 
     def read_at(self, fd: int, path: str, offset: int, size: int, max_bytes: int | None = None
                 ) -> bytes:

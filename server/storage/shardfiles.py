@@ -14,11 +14,13 @@ recently used one not being read is closed past that; a descriptor being read
 is closed by its last reader, never under it. ``close`` (the stream ended)
 closes the rest.
 
-A descriptor is checked once, when it is opened, to be the file the shard's
-index was made from (``Storage.open_shard`` with the index's version: device,
-inode, size, mtime); a shard replaced before then fails the read with
-``ShardChanged``. From then on the descriptor keeps that file: a shard renamed
-over while a stream reads it is still read as the version its index describes.
+A descriptor is checked when it is opened to be the file the shard's index was
+made from (``Storage.open_shard`` with the index's version: device, inode,
+size, mtime), and again after every read (one ``fstat``): a shard replaced
+before it was opened, or written in place since (same inode, another size or
+mtime), fails its reads with ``ShardChanged``. A shard renamed over while a
+stream reads it is still read, through the descriptor, as the version its index
+describes.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ class ShardFiles:
             if len(self._open) > self._bound:
                 self._close_unused()
         try:
-            return storage.read_at(entry.fd, path, offset, size)
+            data = storage.read_at(entry.fd, path, offset, size)
+            storage.check_unchanged(entry.fd, version)  # one fstat: a write in place shows
+            return data
         finally:
             with self._lock:
                 entry.readers -= 1
