@@ -20,6 +20,7 @@ from gpufeed.v1 import feed_pb2
 from ..media.decode import DecodeError, OverLimit
 from ..media.pipeline import TransformFailed
 from ..storage.paths import FileTooLarge
+from ..storage.shards import ShardError
 
 __all__ = ["log_sample_bug", "sample_failure"]
 
@@ -52,7 +53,7 @@ def _classified(error: BaseException, index: int, path: str) -> tuple[int, str]:
         if isinstance(error, TimeoutError) or error.errno == errno.ETIMEDOUT:
             return feed_pb2.FAILURE_TIMEOUT, f"read timed out: {_strerror(error)}"
         return feed_pb2.FAILURE_UNREADABLE, f"read error: {_strerror(error)}"
-    if isinstance(error, DecodeError):
+    if isinstance(error, (DecodeError, ShardError)):
         return feed_pb2.FAILURE_UNDECODABLE, str(error)
     if isinstance(error, TransformFailed):
         return feed_pb2.FAILURE_TRANSFORM, str(error)

@@ -50,6 +50,7 @@ from ..media.samples import (
     kind_of,
     sample_kind,
 )
+from ..media.shard_rows import ShardRows
 from ..memory.budget import return_free_memory
 from ..memory.ring import BatchLayout
 from ..storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots, SamplePaths
@@ -57,7 +58,6 @@ from ..storage.roots import Storage, is_s3
 from ..storage.shards import (
     TAKEN_SUFFIXES,
     IndexCancelled,
-    ShardRows,
     ShardSet,
     TooManySamples,
     TooManyShards,
