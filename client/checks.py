@@ -74,8 +74,8 @@ class Unparsable:
         return None
 
 
-def expect(message, kind: str) -> None:
-    """Raise unless ``message`` (a ServerMessage; None: the call ended) holds ``kind``."""
+def expect(message, kind: str) -> feed_pb2.ServerMessage:
+    """``message`` (a ServerMessage; None: the call ended), if it holds ``kind``; else raise."""
     if isinstance(message, Unparsable):
         raise data_loss(f"the server sent a message that does not parse: {message.problem}")
     if message is None:
@@ -84,6 +84,7 @@ def expect(message, kind: str) -> None:
     if got != kind:
         raise data_loss(f"the server sent {'a ' + got if got else 'an empty message'} where "
                         f"a {kind} was due")
+    return message
 
 
 def check_header(header: feed_pb2.StreamHeader, request: feed_pb2.StreamRequest) -> None:

@@ -63,8 +63,7 @@ class OpenStream:
         self._reading: tuple[int, int] | None = None
         self._given_back = False
         try:
-            first = next(self._call, None)
-            expect(first, "header")
+            first = expect(next(self._call, None), "header")
             server.answered = True
             self.header: feed_pb2.StreamHeader = first.header
             check_header(self.header, request)
