@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpufeed.server.media import augment
+from gpufeed.server.media.transforms import builtins as augment
 
 from . import jobs
 

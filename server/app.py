@@ -17,12 +17,12 @@ from grpc_reflection.v1alpha import reflection
 
 from gpufeed.v1 import feed_pb2
 
-from . import transforms
 from .auth import TokenInterceptor, server_credentials
 from .config import ServerConfig
 from .media import batch_jpeg, jpeg
-from .media.pipeline import set_process_count, shutdown_processes
 from .media.samples import Decoders
+from .media.transforms import registry
+from .media.transforms.runner import set_process_count, shutdown_processes
 from .memory.shm import ShmNamespace
 from .metrics import ServerMetrics
 from .serving.calls import CallGate, worker_threads
@@ -56,11 +56,11 @@ def _load_plugins(modules: list[str], threads: int) -> None:
     module that cannot be imported."""
     for module in modules:
         try:
-            transforms.load([module])
+            registry.load([module])
         except Exception as e:  # ImportError, or the module's own error as it registers
             raise RuntimeError(f"--plugins {module}: cannot import it: "
                                f"{type(e).__name__}: {e}") from None
-    _log.info("sample transforms: %s", ", ".join(transforms.load()))
+    _log.info("sample transforms: %s", ", ".join(registry.load()))
     set_process_count(threads)
 
 

@@ -95,6 +95,6 @@ class ServerConfig:
     # How JPEGs are decoded: "cpu" (libjpeg-turbo on the decode threads) or
     # "nvimgcodec" (a batch at a time by nvImageCodec, on --device: media/batch_jpeg.py).
     decoder: str = "cpu"
-    # Modules whose registered sample transforms requests may name (server/transforms.py),
+    # Modules whose registered sample transforms requests may name (media/transforms/registry.py),
     # besides the built-in ones.
     plugins: list[str] = field(default_factory=list)

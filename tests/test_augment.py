@@ -18,8 +18,8 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from gpufeed.server.media import augment
-from gpufeed.server.media.output import sample_rng
+from gpufeed.server.media.draws import sample_rng
+from gpufeed.server.media.transforms import builtins as augment
 
 SIZE = 48
 N = 24

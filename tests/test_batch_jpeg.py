@@ -25,7 +25,8 @@ from gpufeed.client import FeedClient, Field
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.media import batch_jpeg, jpeg
 from gpufeed.server.media.batch_jpeg import BatchJpegDecoder, Deferred, resample_weights
-from gpufeed.server.media.output import OutputTransform, sample_draws
+from gpufeed.server.media.draws import sample_draws
+from gpufeed.server.media.output import OutputTransform
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2
 

@@ -17,7 +17,8 @@ from PIL import Image
 
 from gpufeed.client import FeedClient
 from gpufeed.server.demo import synthetic_photo
-from gpufeed.server.media.output import OutputTransform, sample_draws
+from gpufeed.server.media.draws import sample_draws
+from gpufeed.server.media.output import OutputTransform
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2
 from support import psnr

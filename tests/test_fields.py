@@ -22,8 +22,9 @@ from PIL import Image, ImageDraw
 from gpufeed.client import FeedError, Field, metadata, split
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.media.decode import DecodeError, OverLimit, SourceWindow
+from gpufeed.server.media.draws import sample_draws
 from gpufeed.server.media.fields import SampleFields, Sidecar
-from gpufeed.server.media.output import OutputTransform, sample_draws
+from gpufeed.server.media.output import OutputTransform
 from gpufeed.v1 import feed_pb2
 from support import psnr, reset_peak_mb, status_mb
 

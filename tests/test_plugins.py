@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gpufeed.client import FeedClient, FeedError
-from gpufeed.server.media.output import sample_rng
+from gpufeed.server.media.draws import sample_rng
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
@@ -319,7 +319,7 @@ def test_a_worker_process_that_dies_fails_its_sample_and_the_pool_starts_anew(tm
     """A GIL-holding transform whose worker process dies (a crash in a C extension, say):
     that sample fails, naming the transform; the next sample gets a fresh pool."""
     from gpufeed.server import transforms
-    from gpufeed.server.media import pipeline
+    from gpufeed.server.media.transforms import runner as pipeline
     from gpufeed.v1 import feed_pb2
 
     (tmp_path / "dying_plugin.py").write_text(textwrap.dedent('''

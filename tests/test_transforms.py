@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 
 from gpufeed.client import FeedClient
-from gpufeed.server.media.output import OutputTransform, random_resized_crop_box, sample_draws
+from gpufeed.server.media.draws import sample_draws
+from gpufeed.server.media.output import OutputTransform, random_resized_crop_box
 from gpufeed.server.process import ServerProcess
 from gpufeed.v1 import feed_pb2
 from support import MIN_PSNR_DB, psnr

@@ -115,7 +115,8 @@ def _machine() -> dict:
                         "capability": f"{props.major}.{props.minor}"}
         found["nvidia_smi"] = _command(["nvidia-smi", "--format=csv,noheader",
                                         "--query-gpu=name,driver_version,memory.total"])
-    from gpufeed.server.media import augment, jpeg
+    from gpufeed.server.media import jpeg
+    from gpufeed.server.media.transforms import builtins as augment
 
     found["gpufeed"] = str(Path(jpeg.__file__).parents[2])
     found["jpeg"] = jpeg.describe()

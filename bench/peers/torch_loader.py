@@ -84,7 +84,7 @@ def _augmented(chw: np.ndarray) -> torch.Tensor:
     DataLoader seeds per worker."""
     global _augment
     if _augment is None:  # once per worker
-        from gpufeed.server.media import augment
+        from gpufeed.server.media.transforms import builtins as augment
 
         augment.use_native(False)
         _augment = (augment.color_jitter(**jobs.JITTER), augment.trivial_augment_wide())

@@ -1,7 +1,7 @@
-/* The built-in augmentations' C kernels (server/media/augment.py), GIL released.
+/* The built-in augmentations' C kernels (server/media/transforms/builtins.py), GIL released.
  *
  * Each kernel computes, pixel by pixel on uint8 planes, the formula the torch
- * path in augment.py computes with whole-tensor operations (torchvision.
+ * path in transforms/builtins.py computes with whole-tensor operations (torchvision.
  * transforms.v2's formulas): the same float32 operations in the same order,
  * so the results are the torch path's, without its float32 temporaries and
  * the passes over memory between operations. Where torch's vectorised

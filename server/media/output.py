@@ -27,8 +27,9 @@ import torch
 from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import OUTPUT_DTYPES, carrier_dtype
 
-__all__ = ["Box", "CropRule", "OutputTransform", "SampleDraws", "random_resized_crop_box",
-           "sample_draws", "sample_rng"]
+from .draws import FLIP, SampleDraws, sample_draws
+
+__all__ = ["Box", "CropRule", "OutputTransform", "random_resized_crop_box"]
 
 _DTYPES = {name: getattr(torch, name) for name in OUTPUT_DTYPES}
 
@@ -44,70 +45,6 @@ CropRule = Callable[[int, int], Box]
 # 1e-6, and a much smaller one overflows float32 in 1 / (255 std).
 _MIN_RATIO = 0.01
 _MIN_STD = 1e-6
-
-_CROP, _FLIP, CLIP = 0, 1, 2  # one generator per decision: one's draws never shift another's
-
-_MASK = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2^64 / the golden ratio, odd
-
-
-def _mix(z: int) -> int:
-    """SplitMix64's finaliser: a bijection of 64-bit integers that scatters every bit."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return z ^ (z >> 31)
-
-
-class SampleDraws:
-    """The random draws of one built-in decision about one sample: SplitMix64 from a key.
-
-    The state is a hash of the key (seed, epoch, sample index, decision), so
-    draws depend on nothing but the key: not on threads, order or resume. It
-    answers the three calls the choices make, as numpy's Generator names them.
-    ``np.random.default_rng(key)`` did this before and cost ~25 us per sample
-    and decision in the server (a SeedSequence, a PCG64 and an errstate each
-    time), ~9% of a random-resized crop's decode thread; this costs ~2 us per
-    draw. Sample transforms still get a numpy Generator (``sample_rng``): they
-    may ask for any distribution.
-    SplitMix64 passes BigCrush; ``integers`` maps 64 random bits onto the range
-    by one multiplication, biased by at most range / 2^64.
-    """
-
-    __slots__ = ("_state",)
-
-    def __init__(self, *key: int) -> None:
-        state = 0
-        for part in key:
-            state = _mix(((state + _GOLDEN) ^ part) & _MASK)
-        self._state = state
-
-    def _next(self) -> int:
-        self._state = state = (self._state + _GOLDEN) & _MASK
-        return _mix(state)
-
-    def random(self) -> float:
-        """A float in [0, 1), 53 random bits."""
-        return (self._next() >> 11) * (1.0 / (1 << 53))
-
-    def uniform(self, low: float, high: float) -> float:
-        """A float in [low, high)."""
-        return low + (high - low) * self.random()
-
-    def integers(self, low: int, high: int) -> int:
-        """An int in [low, high)."""
-        return low + ((self._next() * (high - low)) >> 64)
-
-
-def sample_rng(seed: int, epoch: int, index: int, decision: int) -> np.random.Generator:
-    """A numpy generator for one random decision about one sample of one epoch: what
-    sample transforms (pipeline.py) are given."""
-    return np.random.default_rng([seed, epoch, index, decision])
-
-
-def sample_draws(seed: int, epoch: int, index: int, decision: int = _CROP) -> SampleDraws:
-    """The draws of one built-in decision (crop box, flip, clip start) about one sample."""
-    return SampleDraws(seed, epoch, index, decision)
-
 
 def random_resized_crop_box(rng: SampleDraws | np.random.Generator, height: int, width: int,
                             scale: tuple[float, float], ratio: tuple[float, float]
@@ -221,7 +158,7 @@ class OutputTransform:
         None (squash) keeps the whole image."""
         crop = None if self.resize == feed_pb2.RESIZE_SQUASH else \
             lambda src_h, src_w: self.box(index, src_h, src_w)
-        flip = bool(self.flip_probability and sample_draws(self.seed, self.epoch, index, _FLIP)
+        flip = bool(self.flip_probability and sample_draws(self.seed, self.epoch, index, FLIP)
                     .random() < self.flip_probability)
         return crop, flip
 

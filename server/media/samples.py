@@ -28,9 +28,10 @@ from . import batch_jpeg
 from .arrays import array_layout, check, read_arrays
 from .batch_jpeg import BatchJpegDecoder, Deferred
 from .decode import ImageDecoder
+from .draws import CLIP, sample_draws
 from .fields import SampleFields
 from .headers import declared_size
-from .output import CLIP, OutputTransform, sample_draws
+from .output import OutputTransform
 from .video import VideoDecoder, centred_start, random_start
 
 _log = logging.getLogger(__name__)

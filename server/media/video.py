@@ -51,7 +51,7 @@ from av.error import FFmpegError
 from ..config import DEFAULT_MAX_PIXELS
 from .containers import HEAD_BYTES, VIDEO_FORMATS, open_container, video_format
 from .decode import DecodeError, OverLimit, RgbScaler
-from .output import SampleDraws
+from .draws import SampleDraws
 
 __all__ = ["VideoDecoder", "centred_start", "random_start"]
 

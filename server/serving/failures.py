@@ -18,7 +18,7 @@ import os
 from gpufeed.v1 import feed_pb2
 
 from ..media.decode import DecodeError, OverLimit
-from ..media.pipeline import TransformFailed
+from ..media.transforms.runner import TransformFailed
 from ..storage.paths import FileTooLarge
 from ..storage.shards import ShardError
 

@@ -37,7 +37,6 @@ from ..media.arrays import read_arrays
 from ..media.decode import DecodeError
 from ..media.fields import MASK, FieldError, SampleFields
 from ..media.output import OutputTransform
-from ..media.pipeline import SampleTransforms
 from ..media.samples import (
     ARRAYS,
     IMAGE,
@@ -51,6 +50,7 @@ from ..media.samples import (
     sample_kind,
 )
 from ..media.shard_rows import ShardRows
+from ..media.transforms.runner import SampleTransforms
 from ..memory.budget import return_free_memory
 from ..memory.ring import BatchLayout
 from ..storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots, SamplePaths
@@ -121,7 +121,7 @@ class StreamPlan:
     compress: Callable[[list[memoryview]], list[bytes]] | None = None
     # The request's fields beside the image (fields.py); None when it declares none.
     fields: SampleFields | None = None
-    # The request's sample transforms (server/transforms.py), run on each decoded row.
+    # The request's sample transforms (media/transforms/registry.py), run on each decoded row.
     sample_transforms: SampleTransforms | None = None
     # Each sample's name in its batch (batchnames.py); None unless the request asks.
     names: BatchNames | None = None
@@ -481,7 +481,7 @@ def _pixels(req: feed_pb2.StreamRequest, kind: str, fields: SampleFields | None 
 
 def _sample_transforms(req: feed_pb2.StreamRequest, kind: str,
                        fields: SampleFields | None) -> SampleTransforms | None:
-    """The request's named transforms, made from their parameters (server/transforms.py)."""
+    """The request's named transforms, made from their parameters (media/transforms/registry.py)."""
     if not req.sample_transforms:
         return None
     if kind != IMAGE:

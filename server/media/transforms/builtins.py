@@ -1,4 +1,4 @@
-"""The built-in sample transforms, written as a plugin like any other (server/transforms.py).
+"""The built-in sample transforms, written as a plugin like any other (registry.py).
 
 ``color_jitter``, ``trivial_augment_wide`` and ``random_erasing`` take
 torchvision.transforms.v2's parameters, with its ranges and defaults, and
@@ -39,10 +39,10 @@ import numpy as np
 import torch
 from torch.nn.functional import conv2d, grid_sample
 
-from ..transforms import SampleFn, register
+from .registry import SampleFn, register
 
 try:
-    from . import _augment  # pyright: ignore[reportAttributeAccessIssue]  # C, no stub
+    from .. import _augment  # pyright: ignore[reportAttributeAccessIssue]  # C, no stub
 except ImportError:  # built without the C kernels: the torch path does all
     _augment = None
 

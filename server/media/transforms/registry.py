@@ -69,7 +69,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .media import jsontext
+from .. import jsontext
 
 __all__ = ["MAX_PARAMS_CHARS", "Registered", "SampleFn", "TransformError", "load", "lookup",
            "names", "parse_params", "register"]
@@ -80,7 +80,7 @@ Fields = dict[str, typing.Any]
 SampleFn = Callable[[Fields, np.random.Generator], Fields]
 
 # Modules every server loads: the built-in augmentations are plugins too.
-BUILT_IN = ("gpufeed.server.media.augment",)
+BUILT_IN = ("gpufeed.server.media.transforms.builtins",)
 
 # A transform's parameters, as JSON text: room for a lookup table of a few thousand
 # numbers, while parsing and checking the most a request may send stays milliseconds.

@@ -1,4 +1,4 @@
-"""A stream's sample transforms (server/transforms.py): checked at open, run per sample.
+"""A stream's sample transforms (registry.py): checked at open, run per sample.
 
 They run on the decode thread that decoded the sample, right after the decode
 wrote its row (crop, scale and flip done) and before the batch pass
@@ -21,7 +21,7 @@ transform.
 
 A request names at most ``MAX_TRANSFORMS`` transforms, each made at open and
 kept while its stream is; a worker process keeps the last ``MAX_TRANSFORMS``
-it made. Each factory's own allocations being small (augment.py bounds the
+it made. Each factory's own allocations being small (builtins.py bounds the
 built-ins' parameters so), what a request's transforms hold stays small, and
 is given back when its stream ends.
 """
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import transforms as registry
-from .fields import row_sample
-from .output import sample_rng
+from ..draws import sample_rng
+from ..fields import row_sample
+from . import registry
 
 __all__ = ["MAX_TRANSFORMS", "SampleTransforms", "TransformFailed", "set_process_count",
            "shutdown_processes"]
