@@ -33,7 +33,7 @@ _PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "hubble_deep_field.jpg"
 # these upscaled crops, and detail is what makes a JPEG ~100 KB and slow to decode.
 _TEXTURES = ("grass.png", "gravel.png")
 _QUALITY = 88
-# Width and height ranges; their means are the 457x395.
+# Width and height ranges; their means are 457x395.
 _WIDTHS, _HEIGHTS = (420, 495), (365, 426)
 
 

@@ -1,7 +1,8 @@
 """``python -m bench.inline_cpu``: inline's extra CPU per batch over shm, by process and
-user/system (issue 18).
+user/system.
 
-Issue 18's goal is inline's extra CPU over shm <= 2 ms per 4.8 MB batch. The
+The goal for remote trainers is inline's extra CPU over shm <= 2 ms per 4.8 MB
+batch (bench/RESULTS.md, "Inline's extra CPU, the transport alone"). The
 bench rows' CPU column sums the whole process tree, where decoding (~30 ms of
 CPU per batch of JPEGs) swamps a few ms of transport. This measures the
 transport alone: a real server subprocess serves .npy files of uint8

@@ -5,7 +5,7 @@ memory (PSS) of everything that serves the ranks.
 Run from the repository root (the data set is built on the first run, ~20 s)::
 
     .venv/bin/python -m bench.open_scale                               # 8 ranks, both sides
-    .venv/bin/python -m bench.open_scale --ranks 1,4,8 --rounds 2      # issue's table
+    .venv/bin/python -m bench.open_scale --ranks 1,4,8 --rounds 2      # bench/RESULTS.md's table
 
 Each row is one side at one number of ranks, run alone (one row after another,
 never two at once; the 1-minute load average is read before and after each).
@@ -512,7 +512,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def targets(summary: list[dict], ranks: int = 8) -> list[str]:
-    """The issue's targets at ``ranks`` ranks, met or missed by how much."""
+    """The targets at ``ranks`` ranks (first batch, RSS growth, PSS), met or missed by how much."""
     entry = next((e for e in summary if e["ranks"] == ranks), None)
     ours = entry.get("gpufeed") if entry else None
     if not ours:

@@ -30,14 +30,14 @@ __all__ = ["main"]
 
 _HERE = Path(__file__).resolve().parent
 # Per job, gpufeed's row: every other row of the job is compared with it.
-# Issue 15: peer row -> (gpufeed's row on the same shards, or the loose files; the goal).
+# Tar shards: peer row -> (gpufeed's row on the same shards, or the loose files; the goal).
 _SHARD_PAIRS = {"wds-torch-2-local": ("shards-local", 1.5), "wds-torch-2-s3": ("shards-s3", 1.5),
                 "tf-shards-local": ("shards-local", None), "tf-shards-s3": ("shards-s3", None),
                 "gpufeed-shm": ("shards-s3", 0.9)}
 _REFERENCES = {"squash": "gpufeed-shm", "train-u8": "gpufeed-shm-rrc-u8",
                "train-f16": "gpufeed-shm-rrc", "eval": "gpufeed-shm-eval",
                "train-aug": "gpufeed-shm-aug", "train-pyloop": "gpufeed-shm-pyloop-processes"}
-# Issue 12's targets: gpufeed's images/s at least this many times the row's. And in
+# The image jobs' targets: gpufeed's images/s at least this many times the row's. And in
 # every job, gpufeed's CPU per image at or below the best peer's.
 _TARGETS = {"tf": 1.1, "tf-rrc-u8": 1.3, "dali-rrc-u8": 1.5, "tf-rrc": 1.3, "dali-rrc": 1.5,
             "tf-eval": 1.2, "torch-2-aug": 1.5}
@@ -217,7 +217,7 @@ def _overhead(results: list[dict], batch_size: int) -> dict:
 
 
 def format_table(report: dict) -> str:
-    """The results as Markdown tables, as bench/README.md shows them: one per group of rows."""
+    """The results as Markdown tables, as bench/RESULTS.md shows them: one per group of rows."""
     groups: dict[str, list[dict]] = {}
     for r in report["rows"]:
         groups.setdefault(group(r["row"]), []).append(r)
@@ -273,7 +273,7 @@ def _job_table(job: str, title: str, rows: list[dict], report: dict) -> str:
 
 
 def _targets(ref: dict, rows: list[dict]) -> list[str]:
-    """Issue 12's targets for this job: met, or missed by how much."""
+    """The targets for this job (bench/README.md lists them): met, or missed by how much."""
     lines = []
     for r in rows:
         want = _TARGETS.get(r["row"])
@@ -295,7 +295,7 @@ def _targets(ref: dict, rows: list[dict]) -> list[str]:
 
 
 def _shard_ratios(rows: list[dict]) -> list[str]:
-    """The tar-shard rows (issue 15) against gpufeed reading the same shards from the same
+    """The tar-shard rows against gpufeed reading the same shards from the same
     place, and gpufeed's S3 shards against its local loose files (goals: >= 1.5x, >= 0.9x)."""
     timed = {r["row"]: r for r in rows if _timed(r)}
     lines = []

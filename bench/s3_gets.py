@@ -1,5 +1,5 @@
 """``python -m bench.s3_gets``: the CPU one ranged GET costs the reading process, by client
-and chunk size, against SeaweedFS on loopback (issue 15).
+and chunk size, against SeaweedFS on loopback (docs/decisions/0107-boto3-for-s3-chunk-reads.md).
 
 Two ways to fetch the same byte range of one object: boto3's ``get_object(Range=...)``
 then ``Body.read()`` (what the server does for every S3 chunk), and an HTTP GET of a

@@ -354,7 +354,7 @@ def _verdict(report: dict, args) -> dict:
 
 
 def format_table(report: dict) -> str:
-    """Per minute, as bench/README.md shows it."""
+    """Per minute, as bench/RESULTS.md shows it."""
     transports = list(report["samples"][0]["images"]) if report["samples"] else []
     lines = ["| minute | server RSS MB mean (min-max) | of which anon / shmem MB | fds (min-max) | "
              "deleted shm fds (max) | threads | " +

@@ -1,7 +1,7 @@
 """``python -m bench.storage_cpu``: CPU seconds per 1000 images, by process, for gpufeed
-reading local loose files, local tar shards, and tar shards from S3 (issue 15).
+reading local loose files, local tar shards, and tar shards from S3.
 
-Issue 15's speed goal (tar shards from local S3 >= 0.9x local loose files, in
+The tar shards' speed goal (tar shards from local S3 >= 0.9x local loose files, in
 images/s) needs a quiet machine. CPU time is what a shared one can measure:
 other programs' load slows a process but barely changes the CPU it spends per
 image. The bench rows' CPU column sums the row's whole process tree, which for

@@ -128,7 +128,7 @@ ROWS = {
                            "squash", "10gbit", "tf"),
     "tf-service-1g": _row("tf.data service -> trainer over a 1 Gbit/s link", "remote",
                           "squash", "1gbit", "tf"),
-    # the same JPEGs in tar shards of ~100 MB (issue 15): local disk, or local S3 (SeaweedFS)
+    # the same JPEGs in tar shards of ~100 MB: local disk, or local S3 (SeaweedFS)
     "shards-local": _row("gpufeed tar shards, local disk -> trainer process, shm", "shards",
                          "squash", "local"),
     "shards-s3": _row("gpufeed tar shards, SeaweedFS S3, read-ahead on", "shards", "squash",
@@ -140,7 +140,7 @@ ROWS = {
     "shards-s3-5ms-no-readahead": _row("gpufeed tar shards, SeaweedFS S3 + 5 ms per request, "
                                        "read-ahead off", "shards", "squash",
                                        "s3-5ms-no-readahead"),
-    # peers on the same tar shards (issue 15)
+    # peers on the same tar shards
     "wds-torch-2-local": _row("WebDataset + torch DataLoader, 2 workers, tar shards, local disk",
                               "webdataset_loader", "squash", "local"),
     "wds-torch-2-s3": _row("WebDataset + torch DataLoader, 2 workers, tar shards, SeaweedFS S3",
@@ -181,7 +181,7 @@ ROWS = {
                    "train-f16"),
     "dali-rrc": _row("DALI, CPU only (decoders.image_random_crop + resize + "
                      "crop_mirror_normalize)", "dali", "train-f16"),
-    # training with augmentations (issue 16): ColorJitter + TrivialAugmentWide, uint8
+    # training with augmentations: ColorJitter + TrivialAugmentWide, uint8
     "gpufeed-shm-aug": _row("gpufeed -> trainer process, shm, random-resized-crop + flip + "
                             "color_jitter + trivial_augment_wide", "gpufeed", "train-aug", "shm"),
     "torch-2-aug": _row("torch DataLoader, 2 workers (Pillow random-resized-crop + flip, "
@@ -202,11 +202,11 @@ ROWS = {
     "tf-eval": _row("tf.data, in-process (decode_and_crop_jpeg of the centre box)", "tfdata",
                     "eval"),
     "dali-eval": _row("DALI, CPU only (decoders.image + resize shorter + crop)", "dali", "eval"),
-    # Several trainer processes on one server (issue 8): aggregate over all of them.
+    # Several trainer processes on one server: aggregate over all of them.
     "trainers-1": Row("gpufeed shm, 1 trainer process", _trainers(1)),
     "trainers-2": Row("gpufeed shm, 2 concurrent trainer processes", _trainers(2)),
     "trainers-4": Row("gpufeed shm, 4 concurrent trainer processes", _trainers(4)),
-    # Pre-computed arrays (issue 7), on the bench.arrays set rather than the JPEGs.
+    # Pre-computed arrays, on the bench.arrays set rather than the JPEGs.
     "npy-gpufeed": Row(".npy: gpufeed -> trainer process, shm", _arrays("npy", "gpufeed")),
     "npy-numpy": Row(".npy: numpy.load in a thread pool", _arrays("npy", "numpy")),
     "npy-torch-2": Row(".npy: torch DataLoader, 2 workers", _arrays("npy", "torch", 2)),
