@@ -2,7 +2,7 @@
 
 ``ServerConfig`` is what ``gpufeed-server``'s flags fill (server/__main__.py) and
 what an embedding program passes to ``FeedServer``; ``Limits`` is the part a
-request is checked against (serving/request.py). Each default is stated once,
+request is checked against (serving/checks.py). Each default is stated once,
 here. This module imports nothing heavy (no torch, PyAV or gRPC), so that the
 command line, the data roots and the plugins are checked, and a mistake
 refused, before the seconds the server's other imports take.

@@ -291,7 +291,7 @@ class _CountingStorage(Storage):
 def test_streams_asking_for_a_list_being_read_wait_for_that_read(tmp_path):
     from gpufeed.server.memory.budget import MemoryBudget
     from gpufeed.server.serving.lists import SharedLists
-    from gpufeed.server.serving.request import plan_stream
+    from gpufeed.server.serving.plan import plan_stream
 
     _write_list(tmp_path / "a.flist", _images(10))
     go = threading.Event()
@@ -370,7 +370,7 @@ def test_a_read_stops_when_every_stream_waiting_for_it_has_stopped(tmp_path):
 def test_a_shared_list_is_dropped_after_its_idle_time(tmp_path):
     from gpufeed.server.memory.budget import MemoryBudget
     from gpufeed.server.serving.lists import SharedLists
-    from gpufeed.server.serving.request import plan_stream
+    from gpufeed.server.serving.plan import plan_stream
 
     _write_list(tmp_path / "a.flist", _images(10))
     storage = Storage([str(tmp_path)])

@@ -66,8 +66,8 @@ def test_a_stream_refuses_the_release_of_a_batch_not_yet_sent(data_dir, image_na
     """Leased but unpublished: decode threads may still write it (here: a pool of no threads)."""
     from gpufeed.server.config import Limits
     from gpufeed.server.memory.heap import HeapSlots
+    from gpufeed.server.serving.plan import plan_stream
     from gpufeed.server.serving.pool import DecodePool
-    from gpufeed.server.serving.request import plan_stream
     from gpufeed.server.serving.stream import Stream
     from gpufeed.server.storage.roots import Storage
     from gpufeed.v1 import feed_pb2

@@ -46,17 +46,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from gpufeed.v1 import feed_pb2
 
-from .slots import FilledBatch, batch_fields
-
-if TYPE_CHECKING:  # a type only: memory/ imports nothing of serving/
-    from ..serving.request import StreamPlan
+from .slots import FilledBatch, SlotPlan, batch_fields
 
 __all__ = ["DeviceRing", "DeviceSlots", "check_device", "gpu_uuid"]
 
@@ -178,7 +174,7 @@ class DeviceSlots:
 
     shared = True
 
-    def __init__(self, device: torch.device, plan: StreamPlan,
+    def __init__(self, device: torch.device, plan: SlotPlan,
                  observe_copy: Callable[[float], None]):
         self._plan = plan
         self._ring = DeviceRing(device, plan, observe_copy)

@@ -9,17 +9,12 @@ data, so the client can view every dtype in place.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import INLINE_ALIGN
 
-from .slots import FilledBatch, batch_fields, batch_pass_on_host
-
-if TYPE_CHECKING:  # a type only: memory/ imports nothing of serving/
-    from ..serving.request import StreamPlan
+from .slots import FilledBatch, SlotPlan, batch_fields, batch_pass_on_host
 
 __all__ = ["HeapSlots"]
 
@@ -29,7 +24,7 @@ class HeapSlots:
 
     shared = False
 
-    def __init__(self, plan: StreamPlan):
+    def __init__(self, plan: SlotPlan):
         self._plan = plan
         self.host = bytearray(plan.num_slots * plan.layout.slot_bytes)
 

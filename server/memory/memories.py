@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,10 +18,7 @@ from gpufeed.v1.vocabulary import NO_SLOT_MEMORY
 from .budget import MemoryExhausted
 from .heap import HeapSlots
 from .shm import ShmNamespace, ShmSlots
-from .slots import SlotMemory
-
-if TYPE_CHECKING:  # a type only: memory/ imports nothing of serving/
-    from ..serving.request import StreamPlan
+from .slots import SlotMemory, SlotPlan
 
 __all__ = ["SlotMemories"]
 
@@ -59,7 +55,7 @@ class SlotMemories:
         return None if probe is None else feed_pb2.ShmProbe(name=probe.name,
                                                             token=self._shm.probe_token)
 
-    def open(self, plan: StreamPlan) -> SlotMemory:
+    def open(self, plan: SlotPlan) -> SlotMemory:
         """The memory of the plan's transport for its ``num_slots`` slots.
 
         Raises MemoryExhausted when there is none (ENOSPC in /dev/shm, CUDA out

@@ -23,17 +23,13 @@ import mmap
 import os
 import re
 import secrets
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import SHM_DIR
 
-from .slots import FilledBatch, batch_fields, batch_pass_on_host
-
-if TYPE_CHECKING:  # a type only: memory/ imports nothing of serving/
-    from ..serving.request import StreamPlan
+from .slots import FilledBatch, SlotPlan, batch_fields, batch_pass_on_host
 
 __all__ = ["SharedSegment", "ShmNamespace", "ShmSlots"]
 
@@ -129,7 +125,7 @@ class ShmSlots:
 
     shared = True
 
-    def __init__(self, shm: ShmNamespace, plan: StreamPlan):
+    def __init__(self, shm: ShmNamespace, plan: SlotPlan):
         self._plan = plan
         self._segment = shm.create(plan.num_slots * plan.layout.slot_bytes)
         self.host = self._segment.buffer

@@ -22,7 +22,7 @@ Which backend a stream gets is ``SlotMemories``'s choice (memories.py).
 from __future__ import annotations
 
 import mmap
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,10 +32,39 @@ from gpufeed.v1.vocabulary import wire_text
 
 from .ring import BatchLayout
 
-if TYPE_CHECKING:  # a type only: memory/ imports nothing of serving/
-    from ..serving.request import StreamPlan
+__all__ = ["BatchPass", "FilledBatch", "SlotMemory", "SlotPlan", "batch_fields",
+           "batch_pass_on_host"]
 
-__all__ = ["FilledBatch", "SlotMemory", "batch_fields", "batch_pass_on_host"]
+
+class BatchPass(Protocol):
+    """The batch pass a memory runs over a filled slot (media's ``OutputTransform``)."""
+
+    @property
+    def has_batch_pass(self) -> bool:
+        """Whether ``finish_slot`` does anything."""
+        ...
+
+    def finish_slot(self, arrays: dict[str, torch.Tensor], rows: int) -> None:
+        """The pass over the slot's first ``rows`` rows, in place."""
+        ...
+
+
+class SlotPlan(Protocol):
+    """What a memory reads of a stream's plan (serving's ``StreamPlan``): so many slots of
+    this layout, for this transport, and the batch pass to run on each. A protocol of
+    its own, so that memory/ imports nothing of serving/."""
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def layout(self) -> BatchLayout: ...
+
+    @property
+    def transport(self) -> int: ...
+
+    @property
+    def transform(self) -> BatchPass | None: ...
 
 
 class FilledBatch(Protocol):
@@ -104,7 +133,7 @@ def batch_fields(batch: FilledBatch, layout: BatchLayout) -> feed_pb2.Batch:
     return fields
 
 
-def batch_pass_on_host(plan: StreamPlan, slot: np.ndarray, rows: int) -> None:
+def batch_pass_on_host(plan: SlotPlan, slot: np.ndarray, rows: int) -> None:
     """Run the plan's batch pass (if any) over a host slot's first ``rows`` rows."""
     if plan.transform and plan.transform.has_batch_pass:  # else no views to make either
         # types: views of a tensor slot are tensors; layout.views is typed for numpy

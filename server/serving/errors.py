@@ -1,6 +1,6 @@
 """What refuses a request or ends a stream, in the serving code's own terms.
 
-request.py, sources.py and stream.py (and memory/budget.py's
+The planning modules, sources.py and stream.py (and memory/budget.py's
 ``MemoryExhausted``) raise these and know nothing of gRPC; service.py, the
 gRPC edge, is the one place that turns each into the status code a client
 sees (its ``_STATUS`` table), as grpc's examples keep status codes in the

@@ -126,7 +126,7 @@ class ListedNames(Sequence[str]):
 @dataclass
 class SampleFiles:
     """A request's samples after directories are listed: names for messages, located
-    paths (packed sequences, request.py), and which of them came from which listing;
+    paths (packed sequences, located.py), and which of them came from which listing;
     ``tree`` when they are one kept tree's, alone."""
 
     names: Sequence[str]

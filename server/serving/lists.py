@@ -5,7 +5,7 @@ Eight ranks of one job name the same list, each for an eighth of it. Each stream
 used to parse the whole list itself (seconds of CPU each, one after another
 under the GIL) and keep its own copy of every name and label. Here a list is
 read once and kept read-only (the packed names, the labels; a tree's class
-folders), and each stream's plan holds only its own order (request.py).
+folders), and each stream's plan holds only its own order (plan.py).
 
 **Which version.** A list file is known by its path and what ``stat`` says of
 it (device, inode, size, mtime and ctime, in nanoseconds); an S3 object by its

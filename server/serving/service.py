@@ -53,9 +53,9 @@ from .errors import (
     Unsupported,
 )
 from .lists import IDLE_SECONDS, SharedLists
+from .plan import StreamPlan, plan_stream
 from .planning import Planning, PlanStopped
 from .pool import DecodePool
-from .request import StreamPlan, plan_stream
 from .sources import JobRegistry, SharedJob
 from .stream import SlotBatch, Stream
 from .watchdog import Watchdog, end_call

@@ -39,7 +39,7 @@ from typing import Protocol
 from gpufeed.v1 import feed_pb2
 
 from .errors import InvalidRequest
-from .request import StreamPlan
+from .plan import StreamPlan
 
 __all__ = ["BatchSource", "JobRegistry", "OwnBatches", "SharedJob"]
 

@@ -43,8 +43,8 @@ from .errors import (
 )
 from .failures import sample_failure
 from .order import samples_at
+from .plan import StreamPlan
 from .pool import DecodePool
-from .request import StreamPlan
 from .sources import BatchSource, OwnBatches
 
 __all__ = ["SlotBatch", "Stream", "StreamState"]
