@@ -1,0 +1,182 @@
+"""The user docs run: every ```python block of README.md and docs/guide/*.md, against a real server.
+
+A page's blocks run in order in one namespace, as a reader pasting them would, in a
+fresh working directory. The blocks name the server as ``localhost:50051``, which is
+replaced by the test server's address, and data as paths under its data root, which
+``docs_root`` builds small (an ImageFolder tree, a list file, tar shards, a COCO-like
+tree with sidecars). ``model`` stands for the reader's model. A block that cannot run
+here (CUDA, S3, several hosts) says so just above its fence with
+``<!-- not run: reason -->``; there may be only a few. Shell blocks are not run.
+
+The docs' relative links must point at files that exist, and no user doc may name an
+issue by number.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpufeed.server.demo import encode_jpeg, synthetic_photo
+from gpufeed.server.process import ServerProcess
+
+REPO = Path(__file__).resolve().parent.parent
+# The pages whose python blocks run: what a user reads and pastes.
+RUN_PAGES = [REPO / "README.md", *sorted((REPO / "docs" / "guide").glob("*.md"))]
+# The docs whose relative links must resolve.
+LINK_PAGES = [*RUN_PAGES, REPO / "CONTRIBUTING.md", REPO / "CHANGELOG.md",
+              REPO / "docker" / "README.md", *sorted((REPO / "docs" / "decisions").glob("*.md"))]
+ADDRESS = "localhost:50051"  # how the docs name the server
+MAX_NOT_RUN = 6  # blocks marked "not run", over every page
+
+_FENCE = re.compile(r"^```(\w*)\s*$")
+_NOT_RUN = re.compile(r"^<!--\s*not run:\s*(.+?)\s*-->\s*$")
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def python_blocks(page: Path) -> list[tuple[int, str, str | None]]:
+    """``(line, code, reason not run or None)`` for each ```python block of ``page``."""
+    blocks, lines = [], page.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        fence = _FENCE.match(lines[i].strip())
+        if not fence:
+            i += 1
+            continue
+        start, language = i, fence.group(1)
+        i += 1
+        body = []
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i])
+            i += 1
+        i += 1
+        if language == "python":
+            before = next((line for line in reversed(lines[:start]) if line.strip()), "")
+            not_run = _NOT_RUN.match(before.strip())
+            indent = min((len(b) - len(b.lstrip()) for b in body if b.strip()), default=0)
+            code = "\n".join(b[indent:] for b in body)
+            blocks.append((start + 1, code, not_run.group(1) if not_run else None))
+    return blocks
+
+
+def _jpeg(path: Path, rng: np.random.Generator) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    height, width = int(rng.integers(48, 97)), int(rng.integers(48, 97))
+    path.write_bytes(encode_jpeg(synthetic_photo(rng, height, width)))
+
+
+@pytest.fixture(scope="module")
+def docs_root(tmp_path_factory) -> Path:
+    """The data the docs name, small."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("docs-data")
+    rng = np.random.default_rng(7)
+    classes = ["n01440764", "n01443537"]
+    lines = []
+    for label, name in enumerate(classes):
+        for i in range(6):
+            _jpeg(root / "imagenet" / "train" / name / f"{i:03d}.JPEG", rng)
+            lines.append(f"imagenet/train/{name}/{i:03d}.JPEG {label}")
+        for i in range(2):
+            _jpeg(root / "imagenet" / "val" / name / f"{i:03d}.JPEG", rng)
+    (root / "train.flist").write_text("\n".join(lines) + "\n")
+    # COCO-like: images, masks and labels trees, metadata beside the images.
+    for i in range(3):
+        image = root / "coco" / "images" / "train" / f"x{i}.jpg"
+        _jpeg(image, rng)
+        with Image.open(image) as im:
+            width, height = im.size
+        mask = root / "coco" / "masks" / "train" / f"x{i}.png"
+        mask.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 5, (height, width), dtype=np.uint8), "L").save(mask)
+        boxes = root / "coco" / "labels" / "train" / f"x{i}.txt"
+        boxes.parent.mkdir(parents=True, exist_ok=True)
+        boxes.write_text(f"2 3 {width - 4} {height - 5} 1\n0 0 10 10 2\n")
+        image.with_suffix(".json").write_text(json.dumps({"id": i}))
+    # Tar shards, WebDataset's layout: NNN.jpg + NNN.cls.
+    (root / "shards").mkdir()
+    for s in range(2):
+        with tarfile.open(root / "shards" / f"train-{s:04d}.tar", "w") as tar:
+            for k in range(4):
+                key = f"{s * 4 + k:06d}"
+                for suffix, data in [(".jpg", encode_jpeg(synthetic_photo(rng, 64, 80))),
+                                     (".cls", str(k % 2).encode())]:
+                    info = tarfile.TarInfo(key + suffix)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return root
+
+
+@pytest.fixture(scope="module")
+def docs_server(docs_root):
+    with ServerProcess(["--data-root", str(docs_root), "--threads", "2"]) as proc:
+        yield proc
+
+
+def _model(images):
+    """The reader's model, as the docs call it: [N, ...] in, [N, 2] logits out."""
+    import torch
+
+    return torch.zeros(len(images), 2)
+
+
+@pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_python_blocks_run(page, docs_server, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "__docs__", "model": _model}
+    for line, code, not_run in python_blocks(page):
+        if not_run:
+            continue
+        code = code.replace(ADDRESS, docs_server.address)
+        try:
+            exec(compile(code, f"{page.relative_to(REPO)}:{line}", "exec"), namespace)
+        except Exception as e:
+            raise AssertionError(f"{page.relative_to(REPO)}, the block at line {line} "
+                                 f"failed: {type(e).__name__}: {e}") from e
+
+
+def test_few_blocks_are_not_run():
+    skipped = [(page.relative_to(REPO), line, reason) for page in RUN_PAGES
+               for line, _, reason in python_blocks(page) if reason]
+    assert all(reason.strip() for _, _, reason in skipped)
+    assert len(skipped) <= MAX_NOT_RUN, f"too many blocks marked not run: {skipped}"
+    ran = sum(1 for page in RUN_PAGES for *_, reason in python_blocks(page) if not reason)
+    assert ran >= 15, f"only {ran} python blocks run"
+
+
+def test_block_extraction_catches_a_broken_block(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("text\n\n<!-- not run: needs a GPU -->\n```python\nx = 1\n```\n\n"
+                    "```python\n    y = undefined_name\n```\n\n```bash\nls\n```\n")
+    (first, second) = python_blocks(page)
+    assert first[2] == "needs a GPU" and second[2] is None
+    with pytest.raises(NameError):
+        exec(second[1], {})
+
+
+@pytest.mark.parametrize("page", LINK_PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(page):
+    if not page.exists():
+        pytest.skip(f"{page.relative_to(REPO)} does not exist yet")
+    broken = []
+    for target in _LINK.findall(page.read_text()):
+        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            continue  # a URL, or a place on the same page
+        path = (page.parent / target.split("#")[0]).resolve()
+        if not path.exists():
+            broken.append(target)
+    assert not broken, f"{page.relative_to(REPO)} links to missing files: {broken}"
+
+
+def test_no_issue_numbers_in_user_docs():
+    pages = [*RUN_PAGES, REPO / "CONTRIBUTING.md"]
+    found = [(p.relative_to(REPO), m.group(0)) for p in pages if p.exists()
+             for m in re.finditer(r"\bissues? #?[0-9]+", p.read_text(), re.IGNORECASE)]
+    assert not found, f"issue numbers mean nothing to a reader: {found}"
