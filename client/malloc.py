@@ -5,7 +5,7 @@ gRPC's Python client hands over each inline batch as a new ``bytes`` object
 joins. With glibc's default thresholds, the block came from fresh pages for
 every batch (``mmap``, or heap top that trimming had just handed back): about
 470 minor page faults per batch and ~2 ms of the trainer's system CPU, several
-times the copies themselves (bench/README.md, issue 18). ``keep_large_buffers``
+times the copies themselves (bench/HISTORY.md, "Remote trainers"). ``keep_large_buffers``
 sets both thresholds once per process, so the blocks a finished batch frees
 serve the next.
 

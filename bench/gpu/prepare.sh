@@ -2,7 +2,7 @@
 # Prepares the GPU device check (bench/gpu/run.sh) here, on a development machine:
 # what the device machine lacks goes into .gpu/ (git-ignored), which the device
 # tool's `run` carries there (carry: [".gpu"]). The device has Python 3.12, torch
-# with CUDA and torchvision, and no network (bench/README.md, "The GPU device check").
+# with CUDA and torchvision, and no network (bench/README.md, "On a GPU: the device check").
 #
 #   .gpu/site.tar.gz  the Python packages it lacks, installed here for CPython 3.12
 #                     on manylinux x86-64: PyAV, grpcio with its health and

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU device check: one `run` call on the device machine, prepared here by
-# bench/gpu/prepare.sh (bench/README.md, "The GPU device check"):
+# bench/gpu/prepare.sh (bench/README.md, "On a GPU: the device check"):
 #
 #   run(command="bash bench/gpu/run.sh", carry=[".gpu"], timeout_s=570)
 #
