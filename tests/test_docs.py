@@ -8,8 +8,8 @@ tree with sidecars). ``model`` stands for the reader's model. A block that canno
 here (CUDA, S3, several hosts) says so just above its fence with
 ``<!-- not run: reason -->``; there may be only a few. Shell blocks are not run.
 
-The docs' relative links must point at files that exist, and no user doc may name an
-issue by number.
+The docs' relative links must point at files and headings that exist, and no user
+doc may name an issue by number.
 """
 
 from __future__ import annotations
@@ -167,12 +167,23 @@ def test_relative_links_resolve(page):
         pytest.skip(f"{page.relative_to(REPO)} does not exist yet")
     broken = []
     for target in _LINK.findall(page.read_text()):
-        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
-            continue  # a URL, or a place on the same page
-        path = (page.parent / target.split("#")[0]).resolve()
+        if re.match(r"^[a-z]+:", target):
+            continue  # a URL
+        name, _, anchor = target.partition("#")
+        path = (page.parent / name).resolve() if name else page
         if not path.exists():
             broken.append(target)
-    assert not broken, f"{page.relative_to(REPO)} links to missing files: {broken}"
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            broken.append(target)
+    assert not broken, f"{page.relative_to(REPO)} links to missing files or headings: {broken}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped,
+    spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+    headings = re.findall(r"^#+\s+(.+?)\s*$", text, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
 
 
 def test_no_issue_numbers_in_user_docs():
