@@ -25,11 +25,11 @@ from .media.transforms import registry
 from .media.transforms.runner import set_process_count, shutdown_processes
 from .memory.shm import ShmNamespace
 from .metrics import ServerMetrics
-from .serving.calls import CallGate, worker_threads
-from .serving.pool import DecodePool
-from .serving.service import FeedServicer
-from .serving.watchdog import Watchdog
-from .serving.wire import add_feed_servicer
+from .serving.edge.calls import CallGate, worker_threads
+from .serving.edge.service import FeedServicer
+from .serving.edge.watchdog import Watchdog
+from .serving.edge.wire import add_feed_servicer
+from .serving.running.pool import DecodePool
 from .storage.roots import Storage
 
 __all__ = ["FeedServer", "ServerConfig"]

@@ -2,7 +2,7 @@
 
 ``ServerConfig`` is what ``gpufeed-server``'s flags fill (server/__main__.py) and
 what an embedding program passes to ``FeedServer``; ``Limits`` is the part a
-request is checked against (serving/checks.py). Each default is stated once,
+request is checked against (serving/planning/checks.py). Each default is stated once,
 here. This module imports nothing heavy (no torch, PyAV or gRPC), so that the
 command line, the data roots and the plugins are checked, and a mistake
 refused, before the seconds the server's other imports take.
@@ -48,7 +48,7 @@ class Limits:
     max_shards: int = 100_000
     # A list file larger than this is refused before it is read (~12M lines of 40 bytes).
     max_list_bytes: int = 512 << 20
-    # Every open stream's ring and plan together (service.py, budget.py).
+    # Every open stream's ring and plan together (serving/edge/service.py, budget.py).
     max_memory_bytes: int = field(default_factory=default_memory_bytes)
 
 

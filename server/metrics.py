@@ -51,10 +51,10 @@ __all__ = ["LIST_KINDS", "REFUSAL_CODES", "STAGES", "ServerMetrics"]
 # device_copy: host-to-device copy of a batch (only where a GPU is attached);
 # send: a batch message handed to gRPC until gRPC takes the next (flow control included).
 STAGES = ("read", "decode", "batch_decode", "batch", "device_copy", "send")
-# The statuses a Stream is refused with (service.py), each a series from the start.
+# The statuses a Stream is refused with (serving/edge/service.py), each a series from the start.
 REFUSAL_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
                  "UNAVAILABLE")
-# What planning reads a stream's sample list from (serving/lists.py): a list file parsed,
+# What planning reads a stream's sample list from (serving/planning/lists.py): a list file parsed,
 # a directory tree listed.
 LIST_KINDS = ("list_file", "directory")
 # From tens of microseconds (a cached read, a small image) to tens of seconds (a
@@ -202,7 +202,7 @@ class _LiveState(Collector):
 
     def __init__(self, pool):
         self._pool = pool
-        self._streams: dict[Any, str] = {}  # a stream (serving/stream.py) -> its transport
+        self._streams: dict[Any, str] = {}  # a stream (serving/running/stream.py) -> its transport
         self._lock = threading.Lock()
         self.held_lists = lambda: (0, 0)  # the servicer's kept lists: (lists, bytes)
 

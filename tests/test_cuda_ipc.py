@@ -22,7 +22,7 @@ from gpufeed.client.batches import SharedSlots, slot_tensors
 from gpufeed.server.config import Limits
 from gpufeed.server.memory.cuda_ipc import _host_written_spans
 from gpufeed.server.process import ServerProcess
-from gpufeed.server.serving.plan import StreamPlan, plan_stream
+from gpufeed.server.serving.planning.plan import StreamPlan, plan_stream
 from gpufeed.server.storage.roots import Storage
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 from support import MIN_PSNR_DB, psnr, reference_decode

@@ -27,8 +27,8 @@ from gpufeed.server.config import Limits
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
 from gpufeed.server.serving.errors import InvalidRequest
-from gpufeed.server.serving.order import EpochOrder, shard_order, tar_order
-from gpufeed.server.serving.plan import plan_stream
+from gpufeed.server.serving.planning.order import EpochOrder, shard_order, tar_order
+from gpufeed.server.serving.planning.plan import plan_stream
 from gpufeed.server.storage.roots import Storage
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 from shards import write_shards

@@ -15,8 +15,8 @@ from gpufeed.client import SampleFailure
 from gpufeed.server.media.decode import DecodeError, OverLimit
 from gpufeed.server.memory.budget import MemoryExhausted
 from gpufeed.server.serving import errors
+from gpufeed.server.serving.edge.service import _status
 from gpufeed.server.serving.failures import sample_failure
-from gpufeed.server.serving.service import _status
 from gpufeed.server.storage.paths import FileTooLarge, OutsideDataRoots
 from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import (

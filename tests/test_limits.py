@@ -251,7 +251,7 @@ def test_a_shared_job_keeps_no_plan_and_idle_jobs_are_bounded():
     and jobs without a consumer are kept up to a bound, the one idle longest forgotten first."""
     import weakref
 
-    from gpufeed.server.serving.sources import JobRegistry
+    from gpufeed.server.serving.running.sources import JobRegistry
 
     registry = JobRegistry()
 

@@ -391,7 +391,7 @@ def test_queue_depth_per_stream_and_per_job():
     from types import SimpleNamespace
 
     from gpufeed.server.metrics import ServerMetrics
-    from gpufeed.server.serving.pool import DecodePool
+    from gpufeed.server.serving.running.pool import DecodePool
 
     class Stream:  # what the collector reads of a stream: its source and its ring
         def __init__(self, job: str = ""):

@@ -20,9 +20,9 @@ from gpufeed.server.config import Limits
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.memory.cuda_ipc import _host_written_spans
 from gpufeed.server.process import ServerProcess
-from gpufeed.server.serving.batchnames import MAX_NAME_BYTES
-from gpufeed.server.serving.plan import plan_stream
-from gpufeed.server.serving.sources import JobRegistry
+from gpufeed.server.serving.planning.batchnames import MAX_NAME_BYTES
+from gpufeed.server.serving.planning.plan import plan_stream
+from gpufeed.server.serving.running.sources import JobRegistry
 from gpufeed.server.storage.roots import Storage
 from gpufeed.v1 import feed_pb2
 from shards import label_of, write_shards

@@ -18,8 +18,8 @@ import pytest
 from gpufeed.server.config import Limits
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
-from gpufeed.server.serving.plan import plan_stream
-from gpufeed.server.serving.planning import PlanStopped
+from gpufeed.server.serving.planning.plan import plan_stream
+from gpufeed.server.serving.planning.thread import PlanStopped
 from gpufeed.server.storage.roots import Storage
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 from shards import write_shards

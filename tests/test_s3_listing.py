@@ -14,7 +14,7 @@ import pytest
 
 from gpufeed.server.config import Limits
 from gpufeed.server.serving.errors import Forbidden, LimitExceeded
-from gpufeed.server.serving.plan import plan_stream
+from gpufeed.server.serving.planning.plan import plan_stream
 from gpufeed.server.storage.roots import Storage
 from gpufeed.v1 import feed_pb2
 

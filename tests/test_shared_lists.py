@@ -290,8 +290,8 @@ class _CountingStorage(Storage):
 
 def test_streams_asking_for_a_list_being_read_wait_for_that_read(tmp_path):
     from gpufeed.server.memory.budget import MemoryBudget
-    from gpufeed.server.serving.lists import SharedLists
-    from gpufeed.server.serving.plan import plan_stream
+    from gpufeed.server.serving.planning.lists import SharedLists
+    from gpufeed.server.serving.planning.plan import plan_stream
 
     _write_list(tmp_path / "a.flist", _images(10))
     go = threading.Event()
@@ -322,8 +322,8 @@ def test_streams_asking_for_a_list_being_read_wait_for_that_read(tmp_path):
 
 
 def test_a_read_stops_when_every_stream_waiting_for_it_has_stopped(tmp_path):
-    from gpufeed.server.serving.lists import SharedLists
-    from gpufeed.server.serving.planning import PlanStopped
+    from gpufeed.server.serving.planning.lists import SharedLists
+    from gpufeed.server.serving.planning.thread import PlanStopped
 
     _write_list(tmp_path / "a.flist", _images(10))
     go = threading.Event()
@@ -369,8 +369,8 @@ def test_a_read_stops_when_every_stream_waiting_for_it_has_stopped(tmp_path):
 
 def test_a_shared_list_is_dropped_after_its_idle_time(tmp_path):
     from gpufeed.server.memory.budget import MemoryBudget
-    from gpufeed.server.serving.lists import SharedLists
-    from gpufeed.server.serving.plan import plan_stream
+    from gpufeed.server.serving.planning.lists import SharedLists
+    from gpufeed.server.serving.planning.plan import plan_stream
 
     _write_list(tmp_path / "a.flist", _images(10))
     storage = Storage([str(tmp_path)])
@@ -400,7 +400,7 @@ def test_a_shared_list_is_dropped_after_its_idle_time(tmp_path):
 
 def test_an_idle_list_gives_its_memory_to_a_stream_that_needs_it(tmp_path):
     from gpufeed.server.memory.budget import MemoryBudget
-    from gpufeed.server.serving.lists import SharedLists
+    from gpufeed.server.serving.planning.lists import SharedLists
 
     _write_list(tmp_path / "a.flist", _images(10))
     storage = Storage([str(tmp_path)])
@@ -416,7 +416,7 @@ def test_an_idle_list_gives_its_memory_to_a_stream_that_needs_it(tmp_path):
 
 
 def test_a_list_changed_within_the_last_seconds_is_read_for_each_stream(tmp_path):
-    from gpufeed.server.serving.lists import SharedLists
+    from gpufeed.server.serving.planning.lists import SharedLists
 
     _write_list(tmp_path / "a.flist", _images(10), back=0)  # just written
     storage = _CountingStorage(tmp_path)
@@ -431,7 +431,7 @@ def test_a_list_changed_within_the_last_seconds_is_read_for_each_stream(tmp_path
 
 
 def _outcome(parse, data: bytes, labelled: bool, limit: int):
-    from gpufeed.server.serving.listfile import ListFileError
+    from gpufeed.server.serving.planning.listfile import ListFileError
 
     try:
         names, labels = parse(data, labelled, limit)
@@ -476,7 +476,7 @@ def _random_list(rng: random.Random, hostile: bool) -> bytes:
 
 
 def test_the_fast_parse_is_the_reference_on_random_and_hostile_lists():
-    from gpufeed.server.serving.listfile import (
+    from gpufeed.server.serving.planning.listfile import (
         ListFileError,
         _parse_fast,
         parse_list,
@@ -513,7 +513,7 @@ def test_the_fast_parse_is_the_reference_on_random_and_hostile_lists():
     ("", True, [], []),
 ], ids=["crlf_tabs_signs", "spaces_blanks", "long_label", "utf8_unlabelled", "empty"])
 def test_well_formed_lists_are_read_by_the_fast_path(text, labelled, names, labels):
-    from gpufeed.server.serving.listfile import _parse_fast, parse_reference
+    from gpufeed.server.serving.planning.listfile import _parse_fast, parse_reference
 
     data = text.encode()
     fast = _parse_fast(data, labelled, 100, lambda: False)
@@ -532,7 +532,7 @@ def test_well_formed_lists_are_read_by_the_fast_path(text, labelled, names, labe
     (b"a.jpg\nb.jpg\nc.jpg\n", False, ["more than 2 samples", "--max-samples 2"]),
 ], ids=["huge_label", "tab_file_space_line", "not_utf8", "labelled_unasked", "over_limit"])
 def test_a_bad_list_is_refused_as_it_always_was(data, labelled, words):
-    from gpufeed.server.serving.listfile import ListFileError, parse_list
+    from gpufeed.server.serving.planning.listfile import ListFileError, parse_list
 
     with pytest.raises(ListFileError) as refused:
         parse_list(data, labelled, 2)

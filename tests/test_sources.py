@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpufeed.server.serving import sources
-from gpufeed.server.serving.sources import JobRegistry, SharedJob
+from gpufeed.server.serving.running import sources
+from gpufeed.server.serving.running.sources import JobRegistry, SharedJob
 from gpufeed.v1 import feed_pb2
 
 

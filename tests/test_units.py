@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gpufeed.server.memory.ring import BatchLayout, SlotRing
-from gpufeed.server.serving.order import samples_at, shard_order, split_batches
+from gpufeed.server.serving.planning.order import samples_at, shard_order, split_batches
 from gpufeed.server.storage.paths import DataRoots, OutsideDataRoots
 
 
@@ -66,9 +66,9 @@ def test_a_stream_refuses_the_release_of_a_batch_not_yet_sent(data_dir, image_na
     """Leased but unpublished: decode threads may still write it (here: a pool of no threads)."""
     from gpufeed.server.config import Limits
     from gpufeed.server.memory.heap import HeapSlots
-    from gpufeed.server.serving.plan import plan_stream
-    from gpufeed.server.serving.pool import DecodePool
-    from gpufeed.server.serving.stream import Stream
+    from gpufeed.server.serving.planning.plan import plan_stream
+    from gpufeed.server.serving.running.pool import DecodePool
+    from gpufeed.server.serving.running.stream import Stream
     from gpufeed.server.storage.roots import Storage
     from gpufeed.v1 import feed_pb2
 

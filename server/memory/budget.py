@@ -13,7 +13,7 @@ The default is half of the memory the server may use: the host's, or its
 cgroup's limit when that is lower (a container). Decoding working space (a
 frame per decode thread) and gRPC buffers are outside it.
 
-Lists shared by streams (serving/lists.py) reserve their bytes once, and may be
+Lists shared by streams (serving/planning/lists.py) reserve their bytes once, and may be
 kept a while after their last stream: a reservation that does not fit first
 asks ``reclaim`` (the kept lists nobody holds are dropped) and tries again.
 
@@ -21,7 +21,7 @@ Memory a stream gave back must also leave the process: ``return_free_memory``
 asks glibc's allocator to hand its free pages to the system (``malloc_trim``),
 which it otherwise keeps in each thread's arena. Six sequential 2M-sample
 streams once left a server 1.8 GB larger with nothing alive; planning packs a
-list's names compactly (names.py) and trims when a large plan goes.
+list's names compactly (serving/planning/names.py) and trims when a large plan goes.
 """
 
 from __future__ import annotations

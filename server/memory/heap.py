@@ -2,7 +2,7 @@
 
 Nothing is shared with the client: each batch's arrays travel in its Batch
 message, taken from the slot's rows as views (``publish``), which the
-response serializer (serving/wire.py) writes onto the wire with one copy.
+response serializer (serving/edge/wire.py) writes onto the wire with one copy.
 Each array starts at a multiple of ``INLINE_ALIGN`` bytes (gpufeed.v1.vocabulary) of the message's
 data, so the client can view every dtype in place.
 """

@@ -1,6 +1,11 @@
-"""Serving: from a StreamRequest to the last batch of a stream.
+"""Serving: from a StreamRequest to the last batch of a stream, in three subpackages.
 
-The gRPC servicer and the bounds on its calls; a request checked into a plan;
-the sample order; a stream's own pass or a shared job's; the decode pool;
-inline batches onto the wire.
+Imports run edge -> running -> planning, never back; all three use the two
+modules here, which import none of them.
+
+- ``edge``: the gRPC edge: the servicer, the bounds on its calls, the wire.
+- ``planning``: a request checked into a plan: names, lists, order, layout.
+- ``running``: a planned stream run: its batches' source, slots and decode pool.
+- ``errors``: what refuses a request or ends a stream, in the serving code's terms.
+- ``failures``: a failed sample's category and detail, sent in its batch.
 """

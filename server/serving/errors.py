@@ -1,7 +1,7 @@
 """What refuses a request or ends a stream, in the serving code's own terms.
 
-The planning modules, sources.py and stream.py (and memory/budget.py's
-``MemoryExhausted``) raise these and know nothing of gRPC; service.py, the
+The planning modules, running/sources.py and running/stream.py (and memory/budget.py's
+``MemoryExhausted``) raise these and know nothing of gRPC; edge/service.py, the
 gRPC edge, is the one place that turns each into the status code a client
 sees (its ``_STATUS`` table), as grpc's examples keep status codes in the
 servicer. A sample that fails is not an error here: it is data, sent in its

@@ -4,7 +4,7 @@ Reading or decoding one sample can fail in a handful of ways that a trainer
 or an operator treats differently: a missing file is a stale list, a denied
 one a deployment mistake, an undecodable one bad data, one over a limit a
 server setting. The error that ends a sample's read is classified here, by
-its type, where the failure is made (the decode thread, stream.py): the
+its type, where the failure is made (the decode thread, running/stream.py): the
 category goes on the wire (``SampleFailure.category``), the client lists it
 and the failures metric counts by it, and nobody parses the text.
 """

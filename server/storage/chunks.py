@@ -6,7 +6,7 @@ memory bound); this is how it holds:
 
 - a byte per sample says whether the stream will still read it and no chunk
   holds it (``will_read``: the positions of its served batches from its start
-  on, padded repeats included; a stream of a shared job (sources.py) counts
+  on, padded repeats included; a stream of a shared job (serving/running/sources.py) counts
   every batch of the pass, so samples another consumer takes stay held, within
   the share, until the stream ends);
 - ``issue`` (a batch claimed) starts a chunk at each of its samples no chunk

@@ -79,7 +79,7 @@ shard's sample count. The metrics count it apart
 (``gpufeed_storage_index_bytes``), beside the samples' reads.
 
 The order of a pass (shards dealt to ranks whole, a shuffle buffer within a
-rank's stream, padding to the longest rank) is serving/order.py's ``tar_order``,
+rank's stream, padding to the longest rank) is serving/planning/order.py's ``tar_order``,
 over ``ShardSet.first``. The plan holds 8 bytes of order, about 40 bytes of
 index per sample (16 more per member extension beyond image and label, which a
 request's fields may name; a shard's first 32 such extensions are indexed), its

@@ -15,16 +15,16 @@ import numpy as np
 
 from gpufeed.v1 import feed_pb2
 
-from ..config import Limits
-from ..media.fields import MASK, FieldError, SampleFields
-from ..media.output import OutputTransform
-from ..media.samples import IMAGE, VIDEO, ImageRows, RowReader, VideoRows
-from ..media.transforms.runner import SampleTransforms
-from ..memory.ring import BatchLayout
-from ..storage.shards import TAKEN_SUFFIXES, ShardSet
-from .errors import InvalidRequest, LimitExceeded, Unsupported
+from ...config import Limits
+from ...media.fields import MASK, FieldError, SampleFields
+from ...media.output import OutputTransform
+from ...media.samples import IMAGE, VIDEO, ImageRows, RowReader, VideoRows
+from ...media.transforms.runner import SampleTransforms
+from ...memory.ring import BatchLayout
+from ...storage.shards import TAKEN_SUFFIXES, ShardSet
+from ..errors import InvalidRequest, LimitExceeded, Unsupported
+from .compression import COMPRESSORS
 from .order import Batches
-from .wire import COMPRESSORS
 
 __all__ = ["check_batch_bytes", "check_field_bytes", "compression", "failure_budget", "pixels",
            "prefetch", "resumed_from", "sample_fields", "sample_transforms", "served_batches",

@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from ..media.samples import is_sample_file
+from ...media.samples import is_sample_file
 from .names import SampleNames, TooManyNames
-from .planning import PlanStopped
+from .thread import PlanStopped
 
 __all__ = ["ListFileError", "parse_list", "parse_reference"]
 

@@ -26,20 +26,20 @@ import numpy as np
 
 from gpufeed.v1 import feed_pb2
 
-from ..config import Limits
-from ..media.fields import SampleFields
-from ..media.output import OutputTransform
-from ..media.samples import ARRAYS, IMAGE, ArrayRows, ImageRows, RowReader
-from ..media.shard_rows import ShardRows
-from ..media.transforms.runner import SampleTransforms
-from ..memory.budget import return_free_memory
-from ..memory.ring import BatchLayout
-from ..storage.paths import SamplePaths
-from ..storage.roots import Storage
-from ..storage.shards import ShardSet
+from ...config import Limits
+from ...media.fields import SampleFields
+from ...media.output import OutputTransform
+from ...media.samples import ARRAYS, IMAGE, ArrayRows, ImageRows, RowReader
+from ...media.shard_rows import ShardRows
+from ...media.transforms.runner import SampleTransforms
+from ...memory.budget import return_free_memory
+from ...memory.ring import BatchLayout
+from ...storage.paths import SamplePaths
+from ...storage.roots import Storage
+from ...storage.shards import ShardSet
+from ..errors import InvalidRequest
 from . import checks
 from .batchnames import BatchNames
-from .errors import InvalidRequest
 from .folders import ListedTree
 from .layout import array_layout, first_arrays, image_layout, own_arrays, requested_names
 from .lists import Hold, ParsedList, SharedLists
@@ -124,8 +124,8 @@ def plan_stream(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
                 transports: tuple[int, ...], stopped: Callable[[], bool] = lambda: False,
                 *, batch_decode: bool = False, lists: SharedLists | None = None
                 ) -> StreamPlan:
-    """``req`` checked into a plan, or the refusal (errors.py) naming the field at fault;
-    ``PlanStopped`` once ``stopped()`` (the call ended: planning.py) while a list file
+    """``req`` checked into a plan, or the refusal (serving/errors.py) naming the field at fault;
+    ``PlanStopped`` once ``stopped()`` (the call ended: thread.py) while a list file
     is read, a directory listed or tar shards indexed. ``batch_decode``: the server
     decodes JPEGs a batch at a time (``--decoder nvimgcodec``), which a plan of loose
     images without fields or sample transforms (they need each row's pixels as it is

@@ -48,11 +48,11 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..media.samples import is_sample_file
-from ..storage.paths import LocatedPaths, OutsideDataRoots
-from ..storage.roots import Storage, is_s3
+from ...media.samples import is_sample_file
+from ...storage.paths import LocatedPaths, OutsideDataRoots
+from ...storage.roots import Storage, is_s3
 from .names import SampleNames
-from .planning import PlanStopped
+from .thread import PlanStopped
 
 __all__ = ["FolderError", "ListedNames", "ListedTree", "Listing", "SampleFiles", "as_directory",
            "below", "folder_labels", "list_directory", "list_tree", "names_a_directory"]

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..media.decode import OverLimit
-from ..media.fields import pack_rows
-from ..media.samples import RowReader
-from ..media.shard_rows import ShardRows
-from ..storage.paths import LocatedPaths, SamplePaths
-from ..storage.roots import Storage
+from ...media.decode import OverLimit
+from ...media.fields import pack_rows
+from ...media.samples import RowReader
+from ...media.shard_rows import ShardRows
+from ...storage.paths import LocatedPaths, SamplePaths
+from ...storage.roots import Storage
 from .names import SampleNames
 
 __all__ = ["MAX_NAME_BYTES", "NAMES", "BatchNames", "name_room"]

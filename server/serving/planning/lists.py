@@ -51,13 +51,13 @@ from typing import Any
 
 import numpy as np
 
-from ..config import Limits
-from ..memory.budget import MemoryBudget, return_free_memory
-from ..storage.roots import Storage, is_s3
+from ...config import Limits
+from ...memory.budget import MemoryBudget, return_free_memory
+from ...storage.roots import Storage, is_s3
 from .folders import ListedTree, list_tree
 from .listfile import parse_list
 from .names import SampleNames
-from .planning import PlanStopped
+from .thread import PlanStopped
 
 __all__ = ["IDLE_SECONDS", "Hold", "ParsedList", "SharedLists"]
 

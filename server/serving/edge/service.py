@@ -28,15 +28,15 @@ import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 from gpufeed.v1.vocabulary import UNREAD, transport_name, wire_text
 
-from ..config import Limits
-from ..media.samples import Decoders
-from ..memory.budget import MemoryBudget, MemoryExhausted
-from ..memory.memories import SlotMemories
-from ..memory.shm import ShmNamespace
-from ..memory.slots import SlotMemory
-from ..metrics import ServerMetrics
-from ..storage.roots import Storage
-from .errors import (
+from ...config import Limits
+from ...media.samples import Decoders
+from ...memory.budget import MemoryBudget, MemoryExhausted
+from ...memory.memories import SlotMemories
+from ...memory.shm import ShmNamespace
+from ...memory.slots import SlotMemory
+from ...metrics import ServerMetrics
+from ...storage.roots import Storage
+from ..errors import (
     BadClientMessage,
     ClientGone,
     Draining,
@@ -52,12 +52,12 @@ from .errors import (
     UnpaddableBatch,
     Unsupported,
 )
-from .lists import IDLE_SECONDS, SharedLists
-from .plan import StreamPlan, plan_stream
-from .planning import Planning, PlanStopped
-from .pool import DecodePool
-from .sources import JobRegistry, SharedJob
-from .stream import SlotBatch, Stream
+from ..planning.lists import IDLE_SECONDS, SharedLists
+from ..planning.plan import StreamPlan, plan_stream
+from ..planning.thread import Planning, PlanStopped
+from ..running.pool import DecodePool
+from ..running.sources import JobRegistry, SharedJob
+from ..running.stream import SlotBatch, Stream
 from .watchdog import Watchdog, end_call
 from .wire import InlineBatch
 
@@ -74,7 +74,7 @@ _ATTACH_GRACE = 10.0
 # this many UTF-8 bytes, its start (the field) and end kept.
 _STATUS_MESSAGE_BYTES = 2048
 # The status code a client sees for each way a request is refused or a stream ends
-# (errors.py): chosen here only. ClientGone has none: nobody is left to tell.
+# (serving/errors.py): chosen here only. ClientGone has none: nobody is left to tell.
 _STATUS = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
@@ -112,7 +112,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
     ``grace`` seconds. Thread-safe: gRPC calls every method from its own threads.
 
     A list file or directory tree is read once for all the streams that name it
-    (lists.py), held by each stream's plan until the stream ends, and kept
+    (planning/lists.py), held by each stream's plan until the stream ends, and kept
     ``list_idle_seconds`` after the last one; it counts once in the memory budget.
     """
 
@@ -200,7 +200,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             with self._lock:
                 self._plannings.discard(planning)
                 self._open_streams -= 1
-                self._planned_on += 1  # until its planning thread has ended (planning.py)
+                self._planned_on += 1  # until its planning thread has ended (planning/thread.py)
                 self._lock.notify_all()
             planning.when_finished(self._planning_ended)
 

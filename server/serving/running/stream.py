@@ -27,13 +27,13 @@ import numpy as np
 
 from gpufeed.v1.vocabulary import UNREAD
 
-from ..media.batch_jpeg import Deferred
-from ..media.samples import Decoders
-from ..memory.ring import SlotRing
-from ..memory.slots import SlotMemory
-from ..metrics import ServerMetrics
-from ..storage.roots import Storage
-from .errors import (
+from ...media.batch_jpeg import Deferred
+from ...media.samples import Decoders
+from ...memory.ring import SlotRing
+from ...memory.slots import SlotMemory
+from ...metrics import ServerMetrics
+from ...storage.roots import Storage
+from ..errors import (
     ClientGone,
     FailureBudgetSpent,
     LeaseExpired,
@@ -41,9 +41,9 @@ from .errors import (
     StreamEnded,
     UnpaddableBatch,
 )
-from .failures import sample_failure
-from .order import samples_at
-from .plan import StreamPlan
+from ..failures import sample_failure
+from ..planning.order import samples_at
+from ..planning.plan import StreamPlan
 from .pool import DecodePool
 from .sources import BatchSource, OwnBatches
 
@@ -95,7 +95,7 @@ class SlotBatch:
         self.seq = seq
         self.slot = slot
         self.number = number
-        # Sample indices, and which rows repeat a sample to pad the ranks even (order.py).
+        # Sample indices, and which rows repeat a sample to pad the ranks even (planning/order.py).
         # types: one batch of Batches is an array; the stub says either
         indices, self.padded = samples_at(stream.plan.batches[number], len(stream.plan.paths))  # pyright: ignore[reportArgumentType]
         self.indices = indices
@@ -129,7 +129,7 @@ class SlotBatch:
                 self._read(index, row, decoders)
             # BaseException too: a plugin's sys.exit() or a stray KeyboardInterrupt would
             # otherwise end this decode thread with the row uncounted.
-            except BaseException as e:  # the sample fails, the stream goes on (failures.py)
+            except BaseException as e:  # the sample fails, the stream goes on (serving/failures.py)
                 failure = sample_failure(e, index, self._shown(index))
         with stream.cond:
             if failure is not None:
@@ -181,7 +181,7 @@ class SlotBatch:
         transforms on it (a plan with transforms defers nothing), then its name when the
         request asks for names (after the read, so that a sample that fails keeps its own
         reason); raises what reading, decoding, a transform or a name over its room
-        (batchnames.py) raises."""
+        (planning/batchnames.py) raises."""
         stream, plan = self._stream, self._stream.plan
         if defer and plan.defers:
             plan.reader.read_deferring(stream.storage, plan.paths[index], index, self.arrays,

@@ -10,7 +10,7 @@ nobody will use: the planning is told to stop, and the loops that can run long
 ``PlanStopped``; whatever had no such check finishes and is dropped.
 
 A planning thread still running after its call ended keeps counting against
-``--max-streams`` until it ends (service.py), so that calls opened and
+``--max-streams`` until it ends (edge/service.py), so that calls opened and
 cancelled in a loop cannot pile up planning threads beyond the limit; a
 draining server does not wait for it.
 """

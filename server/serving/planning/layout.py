@@ -17,16 +17,16 @@ import torch
 from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import BFLOAT16
 
-from ..media.arrays import read_arrays
-from ..media.decode import DecodeError
-from ..media.fields import SampleFields
-from ..media.output import OutputTransform
-from ..media.samples import ArrayRows, RowReader
-from ..memory.ring import BatchLayout
-from ..storage.paths import OutsideDataRoots, SamplePaths
-from ..storage.roots import Storage
+from ...media.arrays import read_arrays
+from ...media.decode import DecodeError
+from ...media.fields import SampleFields
+from ...media.output import OutputTransform
+from ...media.samples import ArrayRows, RowReader
+from ...memory.ring import BatchLayout
+from ...storage.paths import OutsideDataRoots, SamplePaths
+from ...storage.roots import Storage
+from ..errors import Forbidden, InvalidRequest, NotFound
 from .batchnames import BatchNames, name_room
-from .errors import Forbidden, InvalidRequest, NotFound
 
 __all__ = ["array_layout", "first_arrays", "image_layout", "own_arrays", "requested_names"]
 

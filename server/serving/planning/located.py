@@ -20,11 +20,11 @@ import numpy as np
 
 from gpufeed.v1 import feed_pb2
 
-from ..config import Limits
-from ..media.samples import is_sample_file, kind_of, sample_kind
-from ..storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots
-from ..storage.roots import Storage, is_s3
-from ..storage.shards import (
+from ...config import Limits
+from ...media.samples import is_sample_file, kind_of, sample_kind
+from ...storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots
+from ...storage.roots import Storage, is_s3
+from ...storage.shards import (
     IndexCancelled,
     ShardSet,
     TooManySamples,
@@ -32,7 +32,7 @@ from ..storage.shards import (
     locate_shards,
     names_shards,
 )
-from .errors import Forbidden, InvalidRequest, LimitExceeded, NotFound
+from ..errors import Forbidden, InvalidRequest, LimitExceeded, NotFound
 from .folders import (
     FolderError,
     ListedNames,
@@ -49,7 +49,7 @@ from .folders import (
 from .listfile import ListFileError, parse_list
 from .lists import Hold, SharedLists
 from .names import SampleNames, TooManyNames
-from .planning import PlanStopped
+from .thread import PlanStopped
 
 __all__ = ["names_kind", "sample_files", "sample_labels", "sample_names", "tar_shards"]
 

@@ -38,8 +38,8 @@ from typing import Protocol
 
 from gpufeed.v1 import feed_pb2
 
-from .errors import InvalidRequest
-from .plan import StreamPlan
+from ..errors import InvalidRequest
+from ..planning.plan import StreamPlan
 
 __all__ = ["BatchSource", "JobRegistry", "OwnBatches", "SharedJob"]
 

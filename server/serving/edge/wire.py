@@ -12,7 +12,8 @@ copy gRPC's API leaves. The bytes are a valid ``ServerMessage``: ``data``
 (field 4) simply comes last, as protobuf allows, so any client parses it.
 
 Compression (``StreamRequest.compression``) replaces that copy with the
-compressor's: it reads the views and writes the smaller bytes.
+compressor's (the plan's, planning/compression.py): it reads the views and
+writes the smaller bytes.
 """
 
 from __future__ import annotations
@@ -21,40 +22,11 @@ import grpc
 
 from gpufeed.v1 import feed_pb2
 
-__all__ = ["COMPRESSORS", "InlineBatch", "add_feed_servicer", "serialize"]
+__all__ = ["InlineBatch", "add_feed_servicer", "serialize"]
 
 # Tags of ServerMessage.batch (field 2) and Batch.data (field 4): length-delimited.
 _BATCH_TAG = bytes([2 << 3 | 2])
 _DATA_TAG = bytes([4 << 3 | 2])
-
-
-def _zstd():
-    import zstandard
-
-    # Level 1: about as fast as a link of a few Gbit/s moves the bytes; higher
-    # levels cost several times the CPU for a few percent more on array data.
-    compressor = zstandard.ZstdCompressor(level=1)
-
-    def compress(chunks: list[memoryview]) -> list[bytes]:
-        stream = compressor.compressobj(size=sum(len(c) for c in chunks))  # size in the frame
-        return [*(stream.compress(c) for c in chunks), stream.flush()]
-
-    return compress
-
-
-def _lz4():
-    import lz4.frame
-
-    def compress(chunks: list[memoryview]) -> list[bytes]:
-        stream = lz4.frame.LZ4FrameCompressor()
-        return [stream.begin(sum(len(c) for c in chunks)), *(stream.compress(c) for c in chunks),
-                stream.flush()]
-
-    return compress
-
-
-# StreamRequest.compression -> a factory of functions (views -> compressed pieces).
-COMPRESSORS = {"zstd": _zstd, "lz4": _lz4}
 
 
 def _varint(value: int) -> bytes:
