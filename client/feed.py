@@ -160,7 +160,7 @@ class FeedClient:
                 cuda_ipc) while the trainer holds fewer than ``prefetch`` of
                 them, or read-only views of the received message (inline).
             compression: "zstd" or "lz4": compress inline batches losslessly
-                (worth it for array samples, not for decoded pixels: README.md).
+                (worth it for array samples, not for decoded pixels: docs/guide/transports.md).
             failure_budget: samples that may fail before the pass ends with
                 DATA_LOSS: an int is a count, a float in (0, 1) a fraction of
                 the pass, 0 the server's default (10 samples or 0.1%).
@@ -173,7 +173,7 @@ class FeedClient:
             fields: a sample's fields beside its image, each from a sidecar
                 file: names (``["mask", "boxes", "meta"]``, default sidecars)
                 or a dict of name to a ``Field`` or a suffix; each is a tensor
-                of the batch (fields.py, README).
+                of the batch (docs/guide/fields.md).
             transforms: sample transforms the server has (built in, or
                 installed by its operator with ``--plugins``), run in order on
                 each decoded image: names, or ``(name, {parameter: JSON

@@ -1,7 +1,7 @@
 """A sample's fields beside its image: declaring them, and splitting them per sample.
 
 ``loader(..., fields=...)`` asks the server for a mask, boxes and metadata per
-sample, each from a sidecar file (README, "Samples with several fields").
+sample, each from a sidecar file (docs/guide/fields.md).
 Each field is a tensor of the batch; the variable-length ones are flat with
 offsets (``boxes`` float32 [N, 5] and ``boxes_offsets`` int64 [B + 1];
 ``meta`` uint8 [M] and ``meta_offsets``), which ``split`` and ``metadata``
