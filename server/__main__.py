@@ -16,7 +16,7 @@ import gpufeed
 from .config import Limits, ServerConfig, default_threads
 from .memory.budget import default_memory_bytes
 from .storage.paths import DataRoots
-from .storage.roots import is_s3
+from .storage.s3 import is_s3
 
 # What a trainer image lacks when it installs gpufeed alone (no server extra).
 _SERVER_EXTRA = ("av", "prometheus_client", "grpc_health", "grpc_reflection")

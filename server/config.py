@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .memory.budget import default_memory_bytes
 from .storage.paths import DEFAULT_MAX_FILE_BYTES
-from .storage.roots import S3_CONNECT_TIMEOUT, S3_READ_TIMEOUT
+from .storage.s3 import S3_CONNECT_TIMEOUT, S3_READ_TIMEOUT
 
 __all__ = ["DEFAULT_MAX_PIXELS", "Limits", "ServerConfig", "default_threads"]
 
@@ -86,7 +86,7 @@ class ServerConfig:
     token: str | None = None
     # Endpoint of S3-compatible storage for s3:// data roots (None: boto3's own settings).
     s3_endpoint: str | None = None
-    # Seconds to connect to S3, and that a response may go silent (roots.py says why).
+    # Seconds to connect to S3, and that a response may go silent (storage/s3.py says why).
     s3_connect_timeout: float = S3_CONNECT_TIMEOUT
     s3_read_timeout: float = S3_READ_TIMEOUT
     # The I/O stage for S3 reads: its threads, and the bytes it may hold ahead (0: off).

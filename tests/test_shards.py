@@ -15,7 +15,7 @@ from PIL import Image
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.process import ServerProcess
 from gpufeed.server.serving.planning.order import SHUFFLE_BUFFER, buffer_shuffle
-from gpufeed.server.storage.shards import expand_braces
+from gpufeed.server.storage.shardnames import expand_braces
 from shards import corrupt_shard, cut_shard, label_of, write_shards
 from support import MIN_PSNR_DB, psnr
 

@@ -23,7 +23,7 @@ import torch
 
 from ..config import DEFAULT_MAX_PIXELS
 from ..storage.readahead import StreamReads
-from ..storage.roots import is_s3
+from ..storage.s3 import is_s3
 from . import batch_jpeg
 from .arrays import array_layout, check, read_arrays
 from .batch_jpeg import BatchJpegDecoder, Deferred

@@ -21,9 +21,12 @@ import numpy as np
 
 from ..storage.chunks import ChunkReads, Span
 from ..storage.paths import SamplePaths
-from ..storage.roots import ShardChanged, Storage, is_s3
+from ..storage.roots import Storage
+from ..storage.s3 import is_s3
 from ..storage.shardfiles import ShardFiles
-from ..storage.shards import SampleProblem, ShardError, ShardSet, forget_index
+from ..storage.shardindex import SampleProblem, ShardError
+from ..storage.shards import ShardSet, forget_index
+from ..storage.versions import ShardChanged
 from .decode import DecodeError
 from .fields import SampleFields
 from .output import OutputTransform

@@ -20,7 +20,7 @@ from gpufeed.v1 import feed_pb2
 from ..media.decode import DecodeError, OverLimit
 from ..media.transforms.runner import TransformFailed
 from ..storage.paths import FileTooLarge
-from ..storage.shards import ShardError
+from ..storage.shardindex import ShardError
 
 __all__ = ["log_sample_bug", "sample_failure"]
 

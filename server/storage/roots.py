@@ -9,24 +9,9 @@ bucket is a root's and its key lies under the root's prefix (``..`` segments
 are refused, never resolved); a relative name resolves under the first S3 root
 when no local root is configured.
 
-The operator configures S3 (never the client): the endpoint with
-``--s3-endpoint`` or boto3's own ``AWS_ENDPOINT_URL``, credentials and region
-as boto3 finds them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, the
-shared config and credentials files, an instance role). boto3 is the ``s3``
-extra and is imported only when a root is an S3 URL. One client is shared by
-every thread (boto3 clients are thread-safe), with a connection pool as large
-as the threads that use it. Its timeouts are stated (``--s3-connect-timeout``,
-``--s3-read-timeout``): a read from an object store that stops answering fails
-with TimeoutError (its samples' category is ``timeout``) instead of holding a
-thread for botocore's minute per attempt.
-
-A shard is read as the version its index describes, or not at all. ``version``
-names what a shard is now (a local file's device, inode, size and mtime; an
-object's size and ETag), the index records the version it read, and each read
-names it: a local shard's descriptor is checked once, when it is opened
-(``open_shard``), and an S3 range is asked for ``If-Match`` its ETag. A shard
-replaced meanwhile fails the read with ``ShardChanged`` rather than giving
-another version's bytes at the index's offsets.
+How S3 is configured, and its errors, are s3.py's; what a shard's version is,
+versions.py's: a shard is read as the version its index describes (``version``,
+checked when a local shard is opened, ``open_shard``), or not at all.
 
 Loose S3 files are images only, read ahead as shard samples are (readahead.py):
 video and array readers need a seekable local file, and fail such a sample
@@ -52,57 +37,29 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 
+from .indexreads import IndexReads
 from .paths import DEFAULT_MAX_FILE_BYTES, DataRoots, FileTooLarge, OutsideDataRoots
 from .readahead import ReadAhead
+from .s3 import (
+    LIST_PAGE,
+    S3_CONNECT_TIMEOUT,
+    S3_READ_TIMEOUT,
+    S3_SCHEME,
+    PastEnd,
+    S3Root,
+    is_s3,
+    s3_client,
+    s3_errors,
+    split_s3,
+)
+from .versions import ShardChanged, local_version, s3_version, what_changed
 
-__all__ = ["S3_CONNECT_TIMEOUT", "S3_READ_TIMEOUT", "ShardChanged", "Storage", "is_s3"]
+__all__ = ["Storage"]
 
-_S3 = "s3://"
 # A shard is a container: its size is not limited, each sample read from it is.
 _CONTAINER = sys.maxsize
-# Seconds to wait for an S3 connection: a reachable endpoint answers in milliseconds, and
-# this is long enough for Linux to retry a lost SYN twice (after 1 s, then 3 s).
-S3_CONNECT_TIMEOUT = 10.0
-# Seconds an S3 response may go silent (before its headers, or between bytes of its body)
-# before the read fails: an object store's slowest healthy first byte is a second or two,
-# a throttled one answers 503 at once; botocore's default, 60 s, held a decode or I/O
-# thread a minute per attempt. Three attempts of a request that never answers stay well
-# inside --lease-timeout's 300 s.
-S3_READ_TIMEOUT = 30.0
-# Keys per ListObjectsV2 page: S3's own maximum, and its default.
-_LIST_PAGE = 1000
-# Bytes read at a time over members' data while an object's index reads through it.
-_SKIP_CHUNK = 1 << 20
 _READ_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                  0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-
-class ShardChanged(OSError):
-    """A shard that is no longer the version its index describes: replaced or rewritten
-    since it was indexed (its samples fail, category unreadable)."""
-
-
-def is_s3(name: str) -> bool:
-    return name.startswith(_S3)
-
-
-def _split_s3(url: str) -> tuple[str, str]:
-    bucket, _, key = url[len(_S3):].partition("/")
-    return bucket, key
-
-
-class _S3Root:
-    """One ``s3://bucket/prefix`` root."""
-
-    def __init__(self, url: str):
-        bucket, prefix = _split_s3(url.rstrip("/"))
-        if not bucket:
-            raise ValueError(f"data root {url!r}: an S3 root is s3://bucket[/prefix]")
-        self.bucket, self.prefix = bucket, prefix.strip("/")
-        self.url = f"{_S3}{bucket}/{self.prefix}".rstrip("/")
-
-    def holds(self, bucket: str, key: str) -> bool:
-        return bucket == self.bucket and (not self.prefix or key.startswith(self.prefix + "/"))
 
 
 class Storage:
@@ -121,13 +78,13 @@ class Storage:
         local = [r for r in roots if not is_s3(r)]
         self.max_file_bytes = max_file_bytes
         self._local = DataRoots(local, max_file_bytes) if local else None
-        self._s3_roots = [_S3Root(r) for r in roots if is_s3(r)]
+        self._s3_roots = [S3Root(r) for r in roots if is_s3(r)]
         self.roots = (self._local.roots if self._local else []) + [r.url for r in self._s3_roots]
         self._client = None
         # The I/O stage (readahead.py): only for S3, and off with a budget of 0.
         self.read_ahead: ReadAhead | None = None
         if self._s3_roots:
-            self._client = _s3_client(s3_endpoint, connections + io_threads,
+            self._client = s3_client(s3_endpoint, connections + io_threads,
                                       s3_connect_timeout, s3_read_timeout)
             if read_ahead_bytes > 0:
                 self.read_ahead = ReadAhead(io_threads, read_ahead_bytes)
@@ -163,7 +120,7 @@ class Storage:
     def locate(self, name: str) -> str:
         """The confined path or URL for ``name``; OutsideDataRoots when it escapes."""
         if is_s3(name):
-            bucket, key = _split_s3(name)
+            bucket, key = split_s3(name)
             if ".." in key.split("/") or not any(r.holds(bucket, key) for r in self._s3_roots):
                 raise OutsideDataRoots(f"{name!r} is not under an S3 data root")
             return name
@@ -176,7 +133,7 @@ class Storage:
         key = root.prefix if rel == "." else posixpath.join(root.prefix, rel)
         if rel == "." or name.endswith("/"):  # a directory named as one stays one
             key += "/"
-        return f"{_S3}{root.bucket}/{key.lstrip('/')}"
+        return f"{S3_SCHEME}{root.bucket}/{key.lstrip('/')}"
 
     def shown(self, path: str) -> str:
         """A located path as a request would name it, for messages (an S3 URL in full)."""
@@ -187,7 +144,7 @@ class Storage:
     def root_of(self, path: str) -> str | None:
         """The root a located path lies under (lexically), or None."""
         if is_s3(path):
-            bucket, key = _split_s3(path)
+            bucket, key = split_s3(path)
             return next((r.url for r in self._s3_roots if r.holds(bucket, key)), None)
         return self._local.root_of(path) if self._local is not None else None
 
@@ -201,8 +158,8 @@ class Storage:
             return os.path.isdir(path)
         if path.endswith("/"):
             return True
-        bucket, key = _split_s3(path)
-        with _s3_errors(path):
+        bucket, key = split_s3(path)
+        with s3_errors(path):
             reply = self._client.list_objects_v2(Bucket=bucket, Prefix=key + "/", MaxKeys=1)
         return bool(reply.get("Contents") or reply.get("CommonPrefixes"))
 
@@ -215,21 +172,21 @@ class Storage:
 
         The store's order is not relied on (SeaweedFS lists in another order than
         AWS's byte order). OutsideDataRoots for a directory under no root, a key
-        outside it or one with a ``..`` segment; the OSError kinds of ``_s3_errors``
+        outside it or one with a ``..`` segment; the OSError kinds of ``s3_errors``
         for a failed LIST (FileNotFoundError: no such bucket).
         """
-        bucket, prefix = _split_s3(directory)
+        bucket, prefix = split_s3(directory)
         if not directory.endswith("/") or self.root_of(directory) is None:
             raise OutsideDataRoots(f"{directory!r} is not a directory under an S3 data root")
         extra = {"Delimiter": "/"} if first_level else {}
         pages = self._client.get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=prefix, **extra, PaginationConfig={"PageSize": _LIST_PAGE})
-        with _s3_errors(directory):
+            Bucket=bucket, Prefix=prefix, **extra, PaginationConfig={"PageSize": LIST_PAGE})
+        with s3_errors(directory):
             for page in pages:
                 names = [entry["Key"] for entry in page.get("Contents", ())]
                 names += [entry["Prefix"] for entry in page.get("CommonPrefixes", ())]
                 for key in names:
-                    url = f"{_S3}{bucket}/{key}"
+                    url = f"{S3_SCHEME}{bucket}/{key}"
                     if not key.startswith(prefix):
                         raise OutsideDataRoots(f"the listing of {directory!r} answered {url!r}, "
                                                f"which is not under it")
@@ -290,9 +247,9 @@ class Storage:
         after each read too, so bytes read while it changed are never used."""
         if version:
             now = os.fstat(fd)
-            if _local_version(now) != version:
+            if local_version(now) != version:
                 raise ShardChanged(f"shard changed since it was indexed: "
-                                   f"{_what_changed(version, now)}")
+                                   f"{what_changed(version, now)}")
 
     def read_at(self, fd: int, path: str, offset: int, size: int, max_bytes: int | None = None
                 ) -> bytes:
@@ -318,8 +275,8 @@ class Storage:
         """An S3 object's size and unread body (the I/O stage reads loose objects so, to learn
         their size before their bytes); FileTooLarge past ``max_file_bytes``, unread."""
         started = time.perf_counter()
-        bucket, key = _split_s3(path)
-        with _s3_errors(path):
+        bucket, key = split_s3(path)
+        with s3_errors(path):
             reply = self._client.get_object(Bucket=bucket, Key=key)
         size = int(reply["ContentLength"])
         if size > self.max_file_bytes:
@@ -347,25 +304,25 @@ class Storage:
         inode, size and mtime; an object's size and ETag): whether an index made earlier
         still describes it."""
         if is_s3(path):
-            bucket, key = _split_s3(path)
-            with _s3_errors(path):
+            bucket, key = split_s3(path)
+            with s3_errors(path):
                 reply = self._client.head_object(Bucket=bucket, Key=key)
-            return _s3_version(reply)
+            return s3_version(reply)
         fd = self._local_roots(path).open_checked(path, _CONTAINER)
         try:
-            return _local_version(os.fstat(fd))
+            return local_version(os.fstat(fd))
         finally:
             os.close(fd)
 
-    def open_index(self, path: str) -> _IndexReads:
+    def open_index(self, path: str) -> IndexReads:
         """The shard opened to index it (tarindex.py's ``IndexSource``): a local file read
         where the headers are, an object in one streamed GET; its ``version`` is that of
         what it reads. Its reads count as read bytes and index bytes."""
         if is_s3(path):
-            bucket, key = _split_s3(path)
-            with _s3_errors(path):
+            bucket, key = split_s3(path)
+            with s3_errors(path):
                 reply = self._client.get_object(Bucket=bucket, Key=key)
-            return _IndexReads(self, path, int(reply["ContentLength"]), _s3_version(reply),
+            return IndexReads(self, path, int(reply["ContentLength"]), s3_version(reply),
                                body=reply["Body"])
         fd = self._local_roots(path).open_checked(path, _CONTAINER)
         try:
@@ -373,7 +330,7 @@ class Storage:
         except BaseException:
             os.close(fd)
             raise
-        return _IndexReads(self, path, stat.st_size, _local_version(stat), fd=fd)
+        return IndexReads(self, path, stat.st_size, local_version(stat), fd=fd)
 
     def _observe_index(self, path: str, size: int) -> None:
         if self._index_bytes is not None:
@@ -382,23 +339,23 @@ class Storage:
             self._index_bytes.labels(source).inc(size)
 
     def _get(self, path: str, byte_range: str = "", etag: str = "") -> bytes:
-        bucket, key = _split_s3(path)
+        bucket, key = split_s3(path)
         extra = {"Range": byte_range} if byte_range else {}
         if etag:  # the object the index describes, or 412 (ShardChanged)
             extra["IfMatch"] = etag
         try:
-            with _s3_errors(path, etag):
+            with s3_errors(path, etag):
                 reply = self._client.get_object(Bucket=bucket, Key=key, **extra)
                 return reply["Body"].read()
-        except _PastEnd:
+        except PastEnd:
             return b""
 
     def _get_at_most(self, path: str, limit: int, flag: str) -> bytes:
         """An object's bytes; FileTooLarge without reading its body when its answer
         declares more than ``limit`` (a sidecar's bound may be a few KiB, the object
         a gigabyte), and after at most ``limit + 1`` bytes whatever it declared."""
-        bucket, key = _split_s3(path)
-        with _s3_errors(path):
+        bucket, key = split_s3(path)
+        with s3_errors(path):
             reply = self._client.get_object(Bucket=bucket, Key=key)
             size = int(reply.get("ContentLength", 0))
             with contextlib.closing(reply["Body"]) as body:
@@ -414,80 +371,6 @@ class Storage:
         return self._local
 
 
-class _IndexReads:
-    """A shard while it is indexed (tarindex.py reads its headers through it): a local
-    file read where asked (``pread``), an S3 object's body read forward, what lies
-    between skipped by reading it. Nothing past ``size`` (the size it had when opened)
-    is read, whatever a header declares; every read counts in the storage metrics."""
-
-    def __init__(self, storage: Storage, path: str, size: int, version: str,
-                 fd: int | None = None, body=None):
-        self._storage, self._path = storage, path
-        self.size, self.version = size, version
-        self._fd, self._body = fd, body
-        self.sequential = body is not None
-        self._position = 0  # the body's, read so far
-
-    def read(self, offset: int, size: int) -> bytes:
-        size = min(size, self.size - offset)
-        if size <= 0:
-            return b""
-        if self._fd is not None:
-            data = os.pread(self._fd, size, offset)
-        else:
-            if offset < self._position:
-                raise ValueError(f"{self._path}: an S3 object's index reads forward only")
-            with _s3_errors(self._path):
-                while self._position < offset:  # over the data of members
-                    skipped = self._body.read(min(offset - self._position, _SKIP_CHUNK))
-                    if not skipped:
-                        return b""
-                    self._position += len(skipped)
-                    self._storage._observe_index(self._path, len(skipped))
-                data = self._body.read(size)
-                while data and len(data) < size:  # a short read before the end: read on
-                    more = self._body.read(size - len(data))
-                    if not more:
-                        break
-                    data += more
-            self._position += len(data)
-        self._storage._observe_index(self._path, len(data))
-        return data
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self._body is not None:
-            self._body.close()
-
-    def __enter__(self) -> _IndexReads:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _local_version(stat: os.stat_result) -> str:
-    return f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
-
-
-def _s3_version(reply: dict) -> str:
-    """An object's version from a HEAD or GET reply: size, then the ETag (``read_range``
-    takes the ETag back from after the first colon)."""
-    return f"{reply['ContentLength']}:{reply.get('ETag', '')}"
-
-
-def _what_changed(version: str, now: os.stat_result) -> str:
-    """How a local shard differs from the version its index was made from, in words."""
-    device, inode, size, mtime = (int(part) for part in version.split(":"))
-    if (now.st_dev, now.st_ino) != (device, inode):
-        return "another file was put in its place"
-    if now.st_size != size:
-        return f"it is {now.st_size} bytes, was {size}"
-    return "it was modified"
-
-
 class _ObjectBody:
     """An answered GET's body, counted in the storage metrics when read."""
 
@@ -495,79 +378,13 @@ class _ObjectBody:
         self._storage, self._path, self._body, self._started = storage, path, body, started
 
     def read(self) -> bytes:
-        with _s3_errors(self._path):
+        with s3_errors(self._path):
             data = self._body.read()
         self._storage._observe(self._path, len(data), self._started)
         return data
 
     def close(self) -> None:
         self._body.close()
-
-
-def _s3_client(endpoint: str | None, connections: int, connect_timeout: float,
-               read_timeout: float):
-    try:
-        import boto3
-        from botocore.config import Config
-    except ImportError:
-        raise RuntimeError("an s3:// data root needs boto3: pip install 'gpufeed[server,s3]'") \
-            from None
-    # boto3 reads AWS_ENDPOINT_URL itself; looked up here too, to address buckets as paths.
-    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or \
-        os.environ.get("AWS_ENDPOINT_URL")
-    # Standard retries: a request that timed out (connecting, or before its answer's
-    # headers) is tried 3 times in all; a body that stalls is not retried by botocore (a
-    # chunk's samples each read their own range again, chunks.py).
-    config = Config(max_pool_connections=connections,
-                    connect_timeout=connect_timeout, read_timeout=read_timeout,
-                    retries={"max_attempts": 3, "mode": "standard"},
-                    # Custom endpoints (SeaweedFS, MinIO, Ceph) serve buckets as paths.
-                    s3={"addressing_style": "path"} if endpoint else None)
-    return boto3.Session().client("s3", endpoint_url=endpoint or None, config=config)
-
-
-class _PastEnd(Exception):
-    """A range that starts past the end of the object."""
-
-
-class _s3_errors:
-    """botocore's errors as the OSError kinds a sample failure is reported by."""
-
-    def __init__(self, path: str, etag: str = ""):
-        self._path, self._etag = path, etag  # the ETag a read asked If-Match for
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback):
-        if error is None:
-            return False
-        from botocore.exceptions import (
-            BotoCoreError,
-            ClientError,
-            ConnectTimeoutError,
-            ReadTimeoutError,
-        )
-
-        if isinstance(error, ClientError):
-            code = str(error.response.get("Error", {}).get("Code", ""))
-            if code in ("NoSuchKey", "404", "NotFound", "NoSuchBucket"):
-                raise FileNotFoundError(errno.ENOENT, f"{self._path}: not found") from None
-            if code in ("AccessDenied", "403", "Forbidden"):
-                raise PermissionError(errno.EACCES, f"{self._path}: access denied") from None
-            if code == "InvalidRange":
-                raise _PastEnd() from None
-            if code in ("PreconditionFailed", "412"):  # only a read with If-Match asks
-                raise ShardChanged(f"shard changed since it was indexed: its ETag is no "
-                                   f"longer {self._etag}") from None
-            raise OSError(errno.EIO, f"{self._path}: S3 error {code}") from None
-        if isinstance(error, (ReadTimeoutError, ConnectTimeoutError)):
-            flag = "--s3-read-timeout" if isinstance(error, ReadTimeoutError) else \
-                "--s3-connect-timeout"
-            raise TimeoutError(f"{error} (gpufeed-server {flag})") from None
-        if isinstance(error, BotoCoreError):
-            raise OSError(errno.EIO, f"{self._path}: {error}") from None
-        return False
 
 
 class _ReadAheadDepth:

@@ -21,7 +21,8 @@ from ...media.output import OutputTransform
 from ...media.samples import IMAGE, VIDEO, ImageRows, RowReader, VideoRows
 from ...media.transforms.runner import SampleTransforms
 from ...memory.ring import BatchLayout
-from ...storage.shards import TAKEN_SUFFIXES, ShardSet
+from ...storage.shardindex import TAKEN_SUFFIXES
+from ...storage.shards import ShardSet
 from ..errors import InvalidRequest, LimitExceeded, Unsupported
 from .compression import COMPRESSORS
 from .order import Batches

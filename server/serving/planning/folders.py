@@ -50,7 +50,8 @@ import numpy as np
 
 from ...media.samples import is_sample_file
 from ...storage.paths import LocatedPaths, OutsideDataRoots
-from ...storage.roots import Storage, is_s3
+from ...storage.roots import Storage
+from ...storage.s3 import is_s3
 from .names import SampleNames
 from .thread import PlanStopped
 

@@ -53,7 +53,8 @@ import numpy as np
 
 from ...config import Limits
 from ...memory.budget import MemoryBudget, return_free_memory
-from ...storage.roots import Storage, is_s3
+from ...storage.roots import Storage
+from ...storage.s3 import is_s3
 from .folders import ListedTree, list_tree
 from .listfile import parse_list
 from .names import SampleNames

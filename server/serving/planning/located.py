@@ -23,15 +23,10 @@ from gpufeed.v1 import feed_pb2
 from ...config import Limits
 from ...media.samples import is_sample_file, kind_of, sample_kind
 from ...storage.paths import FileTooLarge, LocatedPaths, OutsideDataRoots
-from ...storage.roots import Storage, is_s3
-from ...storage.shards import (
-    IndexCancelled,
-    ShardSet,
-    TooManySamples,
-    TooManyShards,
-    locate_shards,
-    names_shards,
-)
+from ...storage.roots import Storage
+from ...storage.s3 import is_s3
+from ...storage.shardnames import TooManyShards, locate_shards, names_shards
+from ...storage.shards import IndexCancelled, ShardSet, TooManySamples
 from ..errors import Forbidden, InvalidRequest, LimitExceeded, NotFound
 from .folders import (
     FolderError,
@@ -113,7 +108,8 @@ def _pack(names: Iterable[str], limits: Limits) -> SampleNames:
 
 
 def _names_shards(names: SampleNames) -> bool:
-    """shards.py's ``names_shards``, over packed names at once where no name has a brace."""
+    """shardnames.py's ``names_shards`` (storage/), over packed names at once where no name
+    has a brace."""
     if names.contains("{"):
         # types: SampleNames is a sequence of str, not a list
         return names_shards(names)  # pyright: ignore[reportArgumentType]
