@@ -9,12 +9,9 @@ the shard had when opened is read.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from .s3 import s3_errors
-
-if TYPE_CHECKING:  # a type only: roots.py makes these
-    from .roots import Storage
 
 __all__ = ["IndexReads"]
 
@@ -28,9 +25,9 @@ class IndexReads:
     between skipped by reading it. Nothing past ``size`` (the size it had when opened)
     is read, whatever a header declares; every read counts in the storage metrics."""
 
-    def __init__(self, storage: Storage, path: str, size: int, version: str,
+    def __init__(self, observe: Callable[[str, int], None], path: str, size: int, version: str,
                  fd: int | None = None, body=None):
-        self._storage, self._path = storage, path
+        self._observe, self._path = observe, path  # observe(path, bytes read): the metrics
         self.size, self.version = size, version
         self._fd, self._body = fd, body
         self.sequential = body is not None
@@ -51,7 +48,7 @@ class IndexReads:
                     if not skipped:
                         return b""
                     self._position += len(skipped)
-                    self._storage._observe_index(self._path, len(skipped))
+                    self._observe(self._path, len(skipped))
                 data = self._body.read(size)
                 while data and len(data) < size:  # a short read before the end: read on
                     more = self._body.read(size - len(data))
@@ -59,7 +56,7 @@ class IndexReads:
                         break
                     data += more
             self._position += len(data)
-        self._storage._observe_index(self._path, len(data))
+        self._observe(self._path, len(data))
         return data
 
     def close(self) -> None:

@@ -322,15 +322,15 @@ class Storage:
             bucket, key = split_s3(path)
             with s3_errors(path):
                 reply = self._client.get_object(Bucket=bucket, Key=key)
-            return IndexReads(self, path, int(reply["ContentLength"]), s3_version(reply),
-                               body=reply["Body"])
+            return IndexReads(self._observe_index, path, int(reply["ContentLength"]),
+                              s3_version(reply), body=reply["Body"])
         fd = self._local_roots(path).open_checked(path, _CONTAINER)
         try:
             stat = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
-        return IndexReads(self, path, stat.st_size, local_version(stat), fd=fd)
+        return IndexReads(self._observe_index, path, stat.st_size, local_version(stat), fd=fd)
 
     def _observe_index(self, path: str, size: int) -> None:
         if self._index_bytes is not None:
