@@ -38,7 +38,8 @@ Both paths write into the ``[3, H, W]`` row the caller hands in (no per-image
 tensor, no collate copy) and release the GIL while they decode and scale, which
 is why threads give parallelism here.
 
-Settings, each measured on the benchmark's JPEG set (bench/README.md):
+Settings, each measured on the benchmark's JPEG set
+(docs/decisions/0110-pyav-decoder-settings.md):
 
 - swscale runs on the calling thread (``threads=1``). PyAV's default (0, auto)
   makes every scaler context start a thread pool, and since images differ in

@@ -15,8 +15,8 @@ API, the calls TensorFlow's ``decode_and_crop_jpeg`` uses. For one sample it:
   with AVX2 where the CPU has it, SSE2 otherwise, to the same integers;
 
 all with the GIL released. Against Pillow (crop, then bilinear resize) it is
-within one level per pixel without DCT scaling; bench/README.md gives the
-PSNR over the bench set's training crops.
+within one level per pixel without DCT scaling; bench/RESULTS.md ("Decoder
+accuracy") gives the PSNR over the bench set's training crops.
 
 The extension is optional: it is built when libjpeg-turbo's headers are there
 (Debian: ``libjpeg62-turbo-dev``). Without it ``AVAILABLE`` is false and

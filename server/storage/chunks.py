@@ -34,7 +34,7 @@ from .roots import Storage
 
 __all__ = ["CHUNK_BYTES", "ChunkReads", "Span"]
 
-# The bytes one GET fetches at most: bench/README.md (issue 15) has the measurement.
+# The bytes one GET fetches at most: bench/RESULTS.md ("The S3 chunk size") has the measurement.
 CHUNK_BYTES = 4 << 20
 # A stream's chunks hold at most this part of the read-ahead budget for samples ahead.
 _SHARE = 4

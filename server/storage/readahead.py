@@ -27,7 +27,8 @@ such a read is not charged, as the decode thread's own read never was), so no
 decode thread can wait on reads stuck behind another stream's unconsumed bytes.
 
 Only S3 sources use it: a local, page-cached read is a short system call that
-would cost more to hand to another thread than to make (bench/README.md).
+would cost more to hand to another thread than to make
+(docs/decisions/0002-local-reads-on-decode-threads.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A loose file is opened, checked and closed for each sample; a shard holds
 thousands of samples, so opening it per sample (``open``, the ``/proc``
 readlink that confines it, ``fstat``, ``close`` around one ``pread``) spent more
 CPU than the read itself and made a local shard's sample dearer than a loose
-file (bench/README.md, issue 15). Here a stream opens each shard it reads
+file (docs/decisions/0003-shards-read-by-byte-range.md). Here a stream opens each shard it reads
 once, checked as any sample file is (under a data root, a regular file), and
 reads its samples with one ``pread`` each.
 

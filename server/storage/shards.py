@@ -48,10 +48,10 @@ that decodes it: a page-cached read is a short system call), on a descriptor
 the stream opened once for the shard (shardfiles.py), not per sample. On S3 it is a
 *chunk* (chunks.py): a request costs far more CPU than its bytes (signing, HTTP,
 the object server's answer: ~3 ms per image with one GET per sample,
-bench/README.md), so when a claimed batch needs a sample no chunk holds, one
+bench/RESULTS.md, "Tar shards and S3"), so when a claimed batch needs a sample no chunk holds, one
 ranged GET fetches a run of whole samples starting at it: the sample, then the
 shard's next samples the stream will read and has not read or fetched, up to
-``CHUNK_BYTES`` (4 MiB, chosen by measurement: bench/README.md) and the
+``CHUNK_BYTES`` (4 MiB, chosen by measurement: bench/RESULTS.md, "The S3 chunk size") and the
 stream's share of the read-ahead budget for samples ahead of its claimed
 batches (``--read-ahead-bytes`` / 4). Each sample is then handed its bytes
 sliced from the chunk (a memoryview; the member handed to the decoder is one

@@ -7,8 +7,8 @@ compute its formulas for uint8 images. The kernels below are torch operations
 operation) and, where the extension is built, C (_augment.c: the same float32
 operations in the same order, pixel by pixel on the uint8 planes, the GIL
 released), which take over from torch for uint8 CPU images: the same pixels
-at a fraction of the CPU (bench/README.md; ``use_native`` switches between the
-two). The one difference: warps (rotate, shear) map pixels in double in C,
+at a fraction of the CPU (bench/RESULTS.md, "Sample transforms"; ``use_native``
+switches between the two). The one difference: warps (rotate, shear) map pixels in double in C,
 float32 in torch, so a sample point on a pixel's edge may round either way.
 Their random draws follow torchvision's distributions, taken
 from the sample's generator rather than torch's global one, so a pass is

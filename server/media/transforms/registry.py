@@ -46,8 +46,8 @@ changed in place or replaced by arrays (or tensors) of the same shape and dtype.
 ``holds_gil=True`` says the transform is pure Python that holds the GIL (loops
 over pixels): the server then runs it in a small process pool instead of on the
 decode threads, which would only take turns at it. numpy and torch release the
-GIL in their kernels; leave the flag off for them (bench/README.md measured the
-two).
+GIL in their kernels; leave the flag off for them (bench/RESULTS.md, "Sample
+transforms", has the two measured).
 
 ``moves_image=True`` says the transform moves the image's pixels (rotate, shear,
 translate) without moving the other fields: a request that also has a ``mask``
