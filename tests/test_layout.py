@@ -137,3 +137,13 @@ def test_no_module_over_the_line_limit(package):
     long = {str(path.relative_to(ROOT)): n for path in sorted(PACKAGES[package].rglob("*.py"))
             if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by idea): {long}"
+
+
+def test_every_package_ships_in_the_wheel():
+    """pyproject.toml lists its packages by name: a new package folder missing there is
+    missing from the wheel and the image, though an editable install finds it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    folders = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert folders <= listed, f"not in pyproject.toml's packages: {sorted(folders - listed)}"
