@@ -85,7 +85,7 @@ class Storage:
         self.read_ahead: ReadAhead | None = None
         if self._s3_roots:
             self._client = s3_client(s3_endpoint, connections + io_threads,
-                                      s3_connect_timeout, s3_read_timeout)
+                                     s3_connect_timeout, s3_read_timeout)
             if read_ahead_bytes > 0:
                 self.read_ahead = ReadAhead(io_threads, read_ahead_bytes)
         self._bytes = self._seconds = self._index_bytes = None

@@ -67,7 +67,7 @@ class S3Root:
 
 
 def s3_client(endpoint: str | None, connections: int, connect_timeout: float,
-               read_timeout: float):
+              read_timeout: float):
     try:
         import boto3
         from botocore.config import Config

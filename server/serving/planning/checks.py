@@ -101,7 +101,7 @@ def compression(name: str, transport: int) -> tuple[str, Callable | None]:
 
 
 def resumed_from(req: feed_pb2.StreamRequest, world_size: int, shards: ShardSet | None
-                  ) -> list[tuple[int, int]]:
+                 ) -> list[tuple[int, int]]:
     """The request's resumed phases as (world_size, batches), each checked.
 
     Planning them deals every sample once per phase (order.py), so their number
@@ -203,7 +203,7 @@ def sample_fields(req: feed_pb2.StreamRequest, kind: str, shards: bool) -> Sampl
 
 
 def check_field_bytes(batch_size: int, fields: SampleFields, slot_bytes: int,
-                       limit: int) -> None:
+                      limit: int) -> None:
     """Name the field whose room takes most of a batch over --max-batch-bytes."""
     arrays, _, _ = fields.arrays()
     name, dtype, shape = max(arrays, key=lambda a: np.dtype(a[1]).itemsize * int(np.prod(a[2])))
@@ -215,7 +215,7 @@ def check_field_bytes(batch_size: int, fields: SampleFields, slot_bytes: int,
 
 
 def pixels(req: feed_pb2.StreamRequest, kind: str, fields: SampleFields | None = None
-            ) -> tuple[OutputTransform, RowReader]:
+           ) -> tuple[OutputTransform, RowReader]:
     """The output transform and row reader of an image or video stream."""
     height, width = req.output.height, req.output.width
     if height == width == 0:
@@ -248,7 +248,7 @@ def pixels(req: feed_pb2.StreamRequest, kind: str, fields: SampleFields | None =
 
 
 def sample_transforms(req: feed_pb2.StreamRequest, kind: str,
-                       fields: SampleFields | None) -> SampleTransforms | None:
+                      fields: SampleFields | None) -> SampleTransforms | None:
     """The request's named transforms, made from their parameters (media/transforms/registry.py)."""
     if not req.sample_transforms:
         return None

@@ -64,7 +64,7 @@ def own_arrays(with_labels: bool, padded: bool) -> list[tuple]:
 
 
 def requested_names(req: feed_pb2.StreamRequest, storage: Storage, paths: SamplePaths | None,
-                 reader: RowReader, prefix: str) -> BatchNames | None:
+                    reader: RowReader, prefix: str) -> BatchNames | None:
     """The names' room in a batch when the request asks for names; else None."""
     if not req.names:
         return None
@@ -73,7 +73,7 @@ def requested_names(req: feed_pb2.StreamRequest, storage: Storage, paths: Sample
 
 
 def array_layout(batch_size: int, reader: ArrayRows, own: list[tuple],
-                  names: BatchNames | None = None) -> BatchLayout:
+                 names: BatchNames | None = None) -> BatchLayout:
     arrays = [(key, spec.dtype, spec.shape) for key, spec in reader.layout.items()]
     if names is None:
         return BatchLayout(batch_size, arrays + own)
@@ -86,8 +86,8 @@ def array_layout(batch_size: int, reader: ArrayRows, own: list[tuple],
 
 
 def image_layout(batch_size: int, transform: OutputTransform, own: list[tuple],
-                  fields: SampleFields | None = None, names: BatchNames | None = None
-                  ) -> BatchLayout:
+                 fields: SampleFields | None = None, names: BatchNames | None = None
+                 ) -> BatchLayout:
     """image (as asked), index, label, padded, the fields, the names; uint8 pixels and
     flips as working space."""
     wire = BFLOAT16 if transform.dtype == torch.bfloat16 else ""

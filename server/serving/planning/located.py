@@ -54,8 +54,8 @@ _STOP_CHECK_NAMES = 256
 
 
 def sample_names(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
-                  stopped: Callable[[], bool], lists: SharedLists | None, held: list[Hold]
-                  ) -> tuple[SampleNames, np.ndarray | None, str]:
+                 stopped: Callable[[], bool], lists: SharedLists | None, held: list[Hold]
+                 ) -> tuple[SampleNames, np.ndarray | None, str]:
     """The sample names, the list file's labels when label_source asks for them, the prefix.
 
     A directory given as list_file is one name, located as a list file is
@@ -146,8 +146,8 @@ def names_kind(names: Sequence[str]) -> str:
 
 
 def tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
-                storage: Storage, limits: Limits, stopped: Callable[[], bool]
-                ) -> ShardSet | None:
+               storage: Storage, limits: Limits, stopped: Callable[[], bool]
+               ) -> ShardSet | None:
     """The named tar shards, indexed (shards.py); None when the names are loose files."""
     try:
         if not _names_shards(names):
@@ -185,8 +185,8 @@ def tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
 
 
 def sample_files(names: SampleNames, prefix: str, storage: Storage, max_samples: int,
-                  stopped: Callable[[], bool] = lambda: False, lists: SharedLists | None = None,
-                  held: list[Hold] | None = None) -> SampleFiles:
+                 stopped: Callable[[], bool] = lambda: False, lists: SharedLists | None = None,
+                 held: list[Hold] | None = None) -> SampleFiles:
     """Located paths, each directory among them replaced by the files under it.
 
     Only a name without an image, video or array suffix costs a system call
@@ -268,7 +268,7 @@ def _located(names: SampleNames, prefix: str, storage: Storage) -> LocatedPaths:
 
 
 def sample_labels(req: feed_pb2.StreamRequest, samples: SampleFiles, listed: np.ndarray | None,
-            storage: Storage) -> tuple[np.ndarray | None, list[str]]:
+                  storage: Storage) -> tuple[np.ndarray | None, list[str]]:
     """Per-sample labels (or None) and, for folder labels, the class names."""
     source = req.label_source
     if req.labels and source != feed_pb2.LABELS_FROM_REQUEST:

@@ -173,7 +173,7 @@ def _plan(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
         paths, labels, classes, kind = None, None, [], IMAGE
     else:
         samples = sample_files(names, prefix, storage, limits.max_samples, stopped, lists,
-                                held)
+                               held)
         names, paths = samples.names, samples.paths
         labels, classes = sample_labels(req, samples, listed_labels, storage)
         try:
@@ -185,7 +185,7 @@ def _plan(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
     # Every split over ranks carries `padded` (order.py), so a trainer's keys do
     # not depend on whether world_size happens to divide the data set.
     extra = own_arrays(labels is not None or bool(shards and shards.has_labels),
-                        padded=world_size > 1)
+                       padded=world_size > 1)
     fields = checks.sample_fields(req, kind, bool(shards))
     if kind == ARRAYS:
         transform = None
