@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Where each import name's files live (pyproject.toml's package-dir).
 PACKAGES = {"gpufeed.server": ROOT / "server", "gpufeed.client": ROOT / "client"}
 # A module longer than this does more than one job, or one job too many ways.

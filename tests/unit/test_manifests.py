@@ -11,7 +11,7 @@ import yaml
 
 from gpufeed.server.__main__ import _parser
 
-_MANIFESTS = sorted((Path(__file__).resolve().parents[1] / "docker" / "kubernetes").glob("*.yaml"))
+_MANIFESTS = sorted((Path(__file__).resolve().parents[2] / "docker" / "kubernetes").glob("*.yaml"))
 # The Kubernetes release the manifests are checked against (kubernetes-validate ships
 # every release's schemas; autoscaling/v2 and gRPC probes need 1.24 or later).
 _KUBERNETES = "1.33"
