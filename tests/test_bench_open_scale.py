@@ -1,8 +1,8 @@
 """bench/open_scale.py run tiny, so it never rots: 2 rank processes a side (gpufeed, and
 DataLoader + DistributedSampler with 1 worker a rank) on a list of 2000 lines.
 
-No speed or memory figure is asserted (bench/README.md has them); the run must finish,
-write its JSON with every field the README's table is made of, and the DataLoader
+No speed or memory figure is asserted (bench/RESULTS.md has them); the run must finish,
+write its JSON with every field bench/RESULTS.md's table is made of, and the DataLoader
 peer's ImageFolder index must hold the very samples of the list file gpufeed reads.
 """
 

@@ -1,6 +1,6 @@
 """The benchmark, run tiny, so it never rots: every row it can run delivers every image.
 
-No speed is asserted (that is what bench/README.md is for); the run must
+No speed is asserted (bench/RESULTS.md has the figures); the run must
 finish, write its JSON, and each row must either have delivered exactly the
 images (or array samples) it was asked for at a positive rate, or be a peer
 that is not installed here (SPDL and TensorFlow are optional). The soak

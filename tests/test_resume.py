@@ -98,7 +98,7 @@ def test_a_pass_stopped_saved_and_resumed_is_the_uninterrupted_pass(feed, transp
     _same(before + after, whole)  # every sample once, same order, same content
 
 
-# The rule for passes left early and for peeking (README, "Restarts"): the loader is a
+# The rule for passes left early and for peeking (docs/guide/resume.md): the loader is a
 # position in its epochs; a pass left early only stops taking batches, so the next pass
 # continues the epoch, and state_dict() says what the next pass will do.
 

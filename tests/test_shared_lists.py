@@ -5,7 +5,7 @@ The server tests watch ``gpufeed_list_parses_total`` (what was read) and
 ``gpufeed_shared_lists`` (what is kept) on a real server's /metrics. The list
 files and directories they write are dated an hour back (``_age``): a list
 changed within the last two seconds is read for each stream alone
-(serving/lists.py: too fresh to trust its timestamps), and a real rewrite moves
+(serving/planning/lists.py: too fresh to trust its timestamps), and a real rewrite moves
 the mtime forward again. The rest drive ``SharedLists`` and the parser directly:
 one read for concurrent askers, the idle drop observed in the memory budget,
 and the fast parse against the line-at-a-time reference on random and hostile

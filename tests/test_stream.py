@@ -61,7 +61,7 @@ def test_shuffle_is_a_function_of_seed_and_epoch(feed, image_names):
 def test_each_new_pass_is_the_next_epoch_unless_set_epoch_chose_one(feed, image_names):
     """A loop that never calls set_epoch gets a new order each pass; ``loader.epoch`` is
     the epoch of the pass in progress, or of the next one; a pass left early is
-    continued by the next (README, "Epochs and passes")."""
+    continued by the next (docs/guide/loader.md, "Epochs and passes")."""
     def order(loader) -> list[int]:
         return [i for b in loader for i in b["index"].tolist()]
 
