@@ -68,7 +68,7 @@ class Connection:
         self.stub.Stream = self._channel.stream_stream(
             "/gpufeed.v1.Feed/Stream", request_serializer=feed_pb2.ClientMessage.SerializeToString,
             response_deserializer=inline.parse,
-            # grpcio's stub lags its generated code, which passes _registered_method.
+            # typeshed's grpcio stub lags grpcio's generated code, which passes this.
             _registered_method=True)  # pyright: ignore[reportCallIssue]
         self.connect_timeout = connect_timeout
         # Whether the server has ever answered on this connection: until it has, the

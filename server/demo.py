@@ -75,9 +75,9 @@ def _default_dir() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # gpufeed.client is installed from client/, which pyright's search path cannot map.
-    from gpufeed.client import FeedClient  # pyright: ignore[reportMissingImports]
-
+    # Relative: gpufeed.client is installed from client/, next to server/, and pyright
+    # finds it so (it cannot follow the editable install's package-dir map).
+    from ..client import FeedClient
     from .process import ServerProcess
 
     p = argparse.ArgumentParser(prog="gpufeed-demo", description=__doc__)

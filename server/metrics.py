@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -63,6 +63,16 @@ _STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 
                   0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                  1.0, 2.5, 5.0, 10.0)
+
+
+class SentBatch(Protocol):
+    """What ``sent`` reads of a batch message: a ServerMessage, or one not yet
+    serialized (serving/edge/wire.py's InlineBatch)."""
+
+    @property
+    def batch(self) -> feed_pb2.Batch: ...
+
+    def ByteSize(self) -> int: ...
 
 
 class ServerMetrics:
@@ -140,7 +150,7 @@ class ServerMetrics:
         """Safe to call for a stream never opened, and more than once."""
         self._live.discard(stream)
 
-    def sent(self, transport: int, message: feed_pb2.ServerMessage, seconds: float) -> None:
+    def sent(self, transport: int, message: SentBatch, seconds: float) -> None:
         """A batch message went out: count what the trainer received, and how long it took."""
         name = transport_name(transport)
         batch = message.batch

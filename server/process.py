@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from typing import IO
 
 __all__ = ["ServerProcess"]
 
@@ -32,22 +33,23 @@ class ServerProcess:
         self.cwd = cwd
         self.log: list[str] = []
         self.address = ""
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[str] | None = None  # set by start
 
     def start(self) -> ServerProcess:
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             [*self.prefix, sys.executable, "-m", "gpufeed.server", *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **(self.env or {})}, cwd=self.cwd)
+        assert proc.stderr is not None, "stderr=PIPE makes a pipe"
         ready = threading.Event()
-        threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
+        threading.Thread(target=self._drain, args=(proc.stderr, ready), daemon=True).start()
         if not ready.wait(self.timeout) or not self.address:
             self.kill()
             raise RuntimeError("gpufeed-server did not become ready:\n" + "".join(self.log))
         return self
 
-    def _drain(self, ready: threading.Event) -> None:
-        for line in self.proc.stderr:
+    def _drain(self, stderr: IO[str], ready: threading.Event) -> None:
+        for line in stderr:
             self.log.append(line)
             match = _READY.search(line)
             if match and not self.address:
@@ -57,9 +59,12 @@ class ServerProcess:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        proc = self.proc
+        if proc is None:
+            raise RuntimeError("stop() before start()")
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout)
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:

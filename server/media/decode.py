@@ -67,6 +67,7 @@ from typing import NamedTuple
 import av
 import numpy as np
 from av.error import FFmpegError
+from av.video.plane import VideoPlane
 from av.video.reformatter import Interpolation, VideoReformatter
 
 from ..config import DEFAULT_MAX_PIXELS
@@ -75,7 +76,8 @@ from .containers import HEAD_BYTES, IMAGE_FORMATS, image_format, open_container
 from .headers import declared_size
 from .output import Box, CropRule
 
-__all__ = ["DecodeError", "ImageDecoder", "OverLimit", "SourceWindow", "RgbScaler", "decode_frame"]
+__all__ = ["DecodeError", "ImageDecoder", "OverLimit", "SourceWindow", "RgbScaler", "decode_frame",
+           "plane_rows"]
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
 # swscale's planar GBR: plane 0 is green, 1 blue, 2 red; these are their rows in RGB order.
@@ -122,7 +124,8 @@ class RgbScaler:
         if (width, height) == (frame.width, frame.height):
             frame = _padded(frame, _BLOCK)
             width, height = frame.width, frame.height
-        # PyAV's stub says format is a str; a VideoFormat, made once, saves a lookup.
+        # PyAV's stub types format as a str; it takes a VideoFormat too, made once here
+        # to save a lookup per frame.
         return self._scaler.reformat(frame, width, height, _GBRP,  # pyright: ignore[reportArgumentType]
                                      interpolation=_SCALER,
                                      threads=1)
@@ -132,10 +135,7 @@ class RgbScaler:
         # The packed converter writes every column; only an odd height needs a row more.
         rgb = self._scaler.reformat(_padded(frame, 1), format="rgb24", interpolation=_SCALER,
                                     threads=1)
-        plane = rgb.planes[0]
-        # A plane has the buffer protocol; PyAV's stub does not say so (also below).
-        rows = np.frombuffer(plane, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
-            rgb.height, plane.line_size)
+        rows = plane_rows(rgb.planes[0], rgb.height)
         return rows[:frame.height, :frame.width * 3].reshape(frame.height, frame.width, 3)
 
     @staticmethod
@@ -145,10 +145,16 @@ class RgbScaler:
         mirrored left to right if ``flip``."""
         _, height, width = out.shape
         for plane, row in zip(rgb.planes, _GBRP_TO_RGB_ROW):
-            pixels = np.frombuffer(plane, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
-                rgb.height, plane.line_size)
+            pixels = plane_rows(plane, rgb.height)
             window = pixels[top:top + height, left:left + width]
             out[row] = window[:, ::-1] if flip else window
+
+
+def plane_rows(plane: VideoPlane, height: int) -> np.ndarray:
+    """A frame's plane as uint8 rows [height, line_size]: a view of its bytes."""
+    # PyAV's stub gives VideoPlane no buffer protocol (no __buffer__); it has one.
+    return np.frombuffer(plane, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
+        height, plane.line_size)
 
 
 def _padded(frame: av.VideoFrame, columns: int) -> av.VideoFrame:
@@ -160,10 +166,8 @@ def _padded(frame: av.VideoFrame, columns: int) -> av.VideoFrame:
         return frame
     wide = av.VideoFrame(-(-width // columns) * columns, height + height % 2, frame.format.name)
     for source, target in zip(frame.planes, wide.planes):
-        pixels = np.frombuffer(source, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
-            source.height, source.line_size)[:, :source.width]
-        rows = np.frombuffer(target, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
-            target.height, target.line_size)
+        pixels = plane_rows(source, source.height)[:, :source.width]
+        rows = plane_rows(target, target.height)
         rows[:source.height, :source.width] = pixels
         rows[:source.height, source.width:target.width] = pixels[:, -1:]
         rows[source.height:target.height, :target.width] = rows[source.height - 1, :target.width]

@@ -61,7 +61,7 @@ from gpufeed.v1 import feed_pb2
 
 from ..storage.paths import FileTooLarge
 from . import jsontext
-from .decode import DecodeError, OverLimit, SourceWindow, decode_frame
+from .decode import DecodeError, OverLimit, SourceWindow, decode_frame, plane_rows
 
 __all__ = ["BOXES", "FIELD_NAMES", "MASK", "META", "FieldError", "Sample", "SampleFields",
            "Sidecar", "nearest_window", "pack_rows", "row_sample"]
@@ -283,10 +283,7 @@ class SampleFields:
         if (frame.height, frame.width) != (window.src_h, window.src_w):
             raise DecodeError(f"mask: {frame.width}x{frame.height}, but the image is "
                               f"{window.src_w}x{window.src_h}")
-        plane = frame.planes[0]
-        # A plane has the buffer protocol; PyAV's stub does not say so.
-        ids = np.frombuffer(plane, np.uint8).reshape(  # pyright: ignore[reportCallIssue,reportArgumentType]
-            frame.height, plane.line_size)
+        ids = plane_rows(frame.planes[0], frame.height)
         return nearest_window(ids[:, :frame.width], window.box, self.height, self.width, flip)
 
     def _boxes(self, data: bytes, window: SourceWindow, flip: bool) -> np.ndarray:

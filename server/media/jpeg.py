@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from . import _jpeg  # pyright: ignore[reportAttributeAccessIssue]  # C, no stub
+    from . import _jpeg  # pyright: ignore[reportAttributeAccessIssue]  # C (_jpeg.c), no .pyi stub
 except ImportError as e:  # built without libjpeg-turbo's headers
     _jpeg = None
     _MISSING = str(e)
@@ -41,15 +41,22 @@ __all__ = ["AVAILABLE", "JpegError", "Unsupported", "decode_crop", "describe", "
            "takes"]
 
 AVAILABLE = _jpeg is not None
-JpegError = _jpeg.Error if AVAILABLE else RuntimeError
-Unsupported = _jpeg.Unsupported if AVAILABLE else RuntimeError
+JpegError = _jpeg.Error if _jpeg is not None else RuntimeError
+Unsupported = _jpeg.Unsupported if _jpeg is not None else RuntimeError
 
 _EOI = b"\xff\xd9"
 
 
+def _built():
+    """The extension; callers check ``AVAILABLE`` (or ``takes``) first."""
+    if _jpeg is None:
+        raise RuntimeError("the libjpeg-turbo fast path was not built; check jpeg.AVAILABLE first")
+    return _jpeg
+
+
 def describe() -> str:
     """One line for the start-up log: which JPEG decoder this server uses, and why."""
-    if AVAILABLE:
+    if _jpeg is not None:
         return (f"JPEG decoder: libjpeg-turbo crop + DCT-scaled decode (libjpeg API "
                 f"{_jpeg.LIBJPEG_VERSION}), {_jpeg.RESIZE_SIMD} resize")
     return (f"JPEG decoder: PyAV (FFmpeg mjpeg), whole image; the libjpeg-turbo fast path "
@@ -66,11 +73,11 @@ def decode_crop(data: bytes, out: np.ndarray, box: tuple[float, float, float, fl
     """Decode ``box`` (top, left, height, width) of the JPEG into ``out`` [3, H, W],
     mirrored if ``flip``; returns the DCT scale denominator used. Raises JpegError,
     Unsupported."""
-    return _jpeg.decode_crop(data, out, box, flip)
+    return _built().decode_crop(data, out, box, flip)
 
 
 def resize_rgb(image: np.ndarray, out: np.ndarray, box: tuple[float, float, float, float],
                flip: bool = False) -> None:
     """Resize ``box`` of a packed uint8 [h, w, 3] image into ``out`` [3, H, W], as
     decode_crop does."""
-    _jpeg.resize_rgb(image, out, box, flip)
+    _built().resize_rgb(image, out, box, flip)

@@ -224,8 +224,10 @@ class ImageRows(RowReader):
         from the same bytes, or fails as it would."""
         started = perf_counter()
         image = arrays.get("decoded", arrays["image"])
+        batch = decoders.batch
+        assert batch is not None, "JPEGs are deferred only when a batched decoder is set"
         try:
-            left = decoders.batch.decode(deferred, image)
+            left = batch.decode(deferred, image)
         except Exception:  # the batched decode itself broke (a GPU error): the CPU path's turn
             _log.exception("nvImageCodec's batched decode failed; decoding the batch's %d "
                            "JPEGs on the decode thread", len(deferred))

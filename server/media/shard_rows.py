@@ -156,6 +156,7 @@ class ShardRows(RowReader):
                 raise DecodeError(f"sample {n} has no .cls/.txt label member")
             members.append((label, int(shard_index.label_size[n])))
         for name, suffix in self._suffixes.items():
+            assert self.fields is not None, "_suffixes names fields only when there are some"
             offsets, sizes = shard_index.others.get(suffix, (_NO_MEMBER, _NO_MEMBER))
             if n >= len(offsets) or offsets[n] < 0:
                 raise DecodeError(f"{name}: sample {n} has no .{suffix} member")

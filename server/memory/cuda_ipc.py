@@ -112,16 +112,21 @@ class DeviceRing:
         self._spans = _host_written_spans(plan.layout)
         # Timing events around each slot's copy; read when the slot is next published,
         # by which time the trainer has released it, so the copy is long finished.
-        self._timing = [None] * plan.num_slots
+        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event] | None] | None = \
+            [None] * plan.num_slots
         self._observe_copy = observe_copy
         # Events are created on the current device: make it the ring's (cuda:N, not 0).
         with torch.cuda.device(device):
-            self.host = torch.empty(slots_bytes, dtype=torch.uint8, pin_memory=True)
-            self.device = torch.empty(slots_bytes, dtype=torch.uint8, device=device)
+            # None once closed (close), so that the memory goes with the stream.
+            self.host: torch.Tensor | None = torch.empty(slots_bytes, dtype=torch.uint8,
+                                                         pin_memory=True)
+            self.device: torch.Tensor | None = torch.empty(slots_bytes, dtype=torch.uint8,
+                                                           device=device)
             self._copies = torch.cuda.Stream(device)
             # Freed at the stream's end: not reused before the copies queued on it finish.
             self.device.record_stream(self._copies)
-            self._ready = [torch.cuda.Event(interprocess=True) for _ in range(plan.num_slots)]
+            self._ready: list[torch.cuda.Event] | None = [
+                torch.cuda.Event(interprocess=True) for _ in range(plan.num_slots)]
             slot_events = [event.ipc_handle() for event in self._ready]
             (_, handle, size, offset, counter_handle, counter_offset, event_handle,
              event_sync) = self.device.untyped_storage()._share_cuda_()
@@ -133,29 +138,39 @@ class DeviceRing:
 
     def host_buffer(self):
         """The host ring as a buffer the slot ring and decode threads write into."""
-        return self.host.numpy()
+        return self._live()[0].numpy()
 
     def publish(self, batch, plan) -> None:
         """Copy the batch's slot to the device and run the batch pass there, on the side
         stream; the slot's event marks the result ready."""
+        host, device, ready, timing = self._live()
         start = batch.slot * self.slot_bytes
-        if self._timing[batch.slot] is not None:
-            began, ended = self._timing[batch.slot]
+        last = timing[batch.slot]
+        if last is not None:
+            began, ended = last
             if ended.query():  # elapsed_time raises otherwise (a client that released early)
                 self._observe_copy(began.elapsed_time(ended) / 1000)
         began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self._timing[batch.slot] = began, ended
+        timing[batch.slot] = began, ended
         # The device first: leaving a stream context alone would make device 0 current
         # on this gRPC thread, creating a context there when the ring is on cuda:N.
         with torch.cuda.device(self._device), torch.cuda.stream(self._copies):
-            slot = self.device[start:start + self.slot_bytes]
+            slot = device[start:start + self.slot_bytes]
             began.record(self._copies)
             for begin, end in self._spans:
-                slot[begin:end].copy_(self.host[start + begin:start + end], non_blocking=True)
+                slot[begin:end].copy_(host[start + begin:start + end], non_blocking=True)
             ended.record(self._copies)
             if plan.transform is not None:
                 plan.transform.finish_slot(plan.layout.views(slot), batch.rows)
-            self._ready[batch.slot].record(self._copies)
+            ready[batch.slot].record(self._copies)
+
+    def _live(self) -> tuple[torch.Tensor, torch.Tensor, list[torch.cuda.Event],
+                             list[tuple[torch.cuda.Event, torch.cuda.Event] | None]]:
+        """The ring's memory and events; the stream has not closed it yet."""
+        if self.host is None or self.device is None or self._ready is None \
+                or self._timing is None:
+            raise RuntimeError("the device ring is used after its stream closed it")
+        return self.host, self.device, self._ready, self._timing
 
     def close(self, opened: bool) -> None:
         """The stream has ended; ``opened``: the trainer said it opened the export."""

@@ -48,8 +48,7 @@ class HeapSlots:
             array = batch.sent(meta.name)
             meta.offset = offset
             if array.nbytes:
-                # types: numpy's stub lacks __buffer__; arrays have the buffer protocol
-                view = memoryview(np.ascontiguousarray(array))  # pyright: ignore[reportArgumentType]
+                view = np.ascontiguousarray(array).data  # the array's memoryview
                 chunks.append(view.cast("B"))
                 padding = -array.nbytes % INLINE_ALIGN
                 if padding:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -65,17 +66,24 @@ class BatchLayout:
         self.tensors = [t for t in self.places if t.name not in private]
         self.slot_bytes = offset
 
-    def views(self, slot) -> dict[str, np.ndarray]:
-        """Full-batch arrays over one slot's bytes (a uint8 array or tensor), by name."""
-        out = {}
+    @overload
+    def views(self, slot: np.ndarray) -> dict[str, np.ndarray]: ...
+
+    @overload
+    def views(self, slot: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def views(self, slot: np.ndarray | torch.Tensor) -> dict[str, Any]:
+        """Full-batch arrays over one slot's bytes (a uint8 array or tensor), by name:
+        arrays of an array, tensors of a tensor."""
+        out: dict[str, Any] = {}
         for t in self.places:
             rows = self._rows.get(t.name, self.batch_size)
             count = rows * int(np.prod(t.sample_shape))
-            flat = slot[t.offset:t.offset + count * t.dtype.itemsize]
+            end = t.offset + count * t.dtype.itemsize
             if isinstance(slot, np.ndarray):
-                flat = flat.view(t.dtype)
+                flat = slot[t.offset:end].view(t.dtype)
             else:
-                flat = flat.view(_torch_dtype(t.dtype))  # pyright: ignore[reportCallIssue,reportArgumentType]  # a tensor's view, not numpy's
+                flat = slot[t.offset:end].view(_torch_dtype(t.dtype))
             out[t.name] = flat.reshape((rows, *t.sample_shape))
         return out
 
@@ -88,7 +96,9 @@ class SlotRing:
     """Leases of fixed-size slots over ``buffer``, keyed by batch seq. Not thread-safe."""
 
     def __init__(self, buffer, num_slots: int, slot_bytes: int):
-        self._memory = np.frombuffer(buffer, np.uint8, count=num_slots * slot_bytes)
+        # None once closed (close)
+        self._memory: np.ndarray | None = np.frombuffer(buffer, np.uint8,
+                                                        count=num_slots * slot_bytes)
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self._free = deque(range(num_slots))
@@ -117,5 +127,8 @@ class SlotRing:
         self._memory = None
 
     def slot(self, index: int) -> np.ndarray:
+        memory = self._memory
+        if memory is None:
+            raise RuntimeError("the slot ring is used after it was closed")
         start = index * self.slot_bytes
-        return self._memory[start:start + self.slot_bytes]
+        return memory[start:start + self.slot_bytes]

@@ -136,6 +136,5 @@ def batch_fields(batch: FilledBatch, layout: BatchLayout) -> feed_pb2.Batch:
 def batch_pass_on_host(plan: SlotPlan, slot: np.ndarray, rows: int) -> None:
     """Run the plan's batch pass (if any) over a host slot's first ``rows`` rows."""
     if plan.transform and plan.transform.has_batch_pass:  # else no views to make either
-        # types: views of a tensor slot are tensors; layout.views is typed for numpy
         views = plan.layout.views(torch.from_numpy(slot))
-        plan.transform.finish_slot(views, rows)  # pyright: ignore[reportArgumentType]
+        plan.transform.finish_slot(views, rows)

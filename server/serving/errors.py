@@ -31,7 +31,11 @@ class Refused(Exception):
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
-        self.field = field if field is not None else _FIELD.match(message).group()
+        if field is None:
+            match = _FIELD.match(message)
+            assert match is not None, "_FIELD matches the empty string, so any message"
+            field = match.group()
+        self.field = field
 
 
 class InvalidRequest(Refused):

@@ -40,18 +40,20 @@ class IndexReads:
         if self._fd is not None:
             data = os.pread(self._fd, size, offset)
         else:
+            body = self._body
+            assert body is not None, "an IndexReads reads a file descriptor or a body"
             if offset < self._position:
                 raise ValueError(f"{self._path}: an S3 object's index reads forward only")
             with s3_errors(self._path):
                 while self._position < offset:  # over the data of members
-                    skipped = self._body.read(min(offset - self._position, _SKIP_CHUNK))
+                    skipped = body.read(min(offset - self._position, _SKIP_CHUNK))
                     if not skipped:
                         return b""
                     self._position += len(skipped)
                     self._observe(self._path, len(skipped))
-                data = self._body.read(size)
+                data = body.read(size)
                 while data and len(data) < size:  # a short read before the end: read on
-                    more = self._body.read(size - len(data))
+                    more = body.read(size - len(data))
                     if not more:
                         break
                     data += more

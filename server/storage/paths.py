@@ -176,6 +176,17 @@ class _Locates(Protocol):
     def locate(self, name: str) -> str: ...
 
 
+class _PackedNames(Protocol):
+    """Names that count their bytes: planning's ``SampleNames``."""
+
+    def __getitem__(self, index: int, /) -> str: ...
+
+    def __len__(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 class LocatedPaths(Sequence[str]):
     """``roots.locate(prefix + names[i])``, worked out when a sample is read.
 
@@ -183,15 +194,14 @@ class LocatedPaths(Sequence[str]):
     locating again per read keeps the plan as compact as its names.
     """
 
-    def __init__(self, names: Sequence[str], prefix: str, roots: _Locates):
+    def __init__(self, names: _PackedNames, prefix: str, roots: _Locates):
         self.names = names
         self._prefix = prefix
         self._roots = roots
 
     @property
     def nbytes(self) -> int:
-        # types: names is a SampleNames here, which counts its bytes
-        return self.names.nbytes  # pyright: ignore[reportAttributeAccessIssue]
+        return self.names.nbytes
 
     def __len__(self) -> int:
         return len(self.names)

@@ -250,11 +250,15 @@ class StreamReads:
         """The sample's bytes: from its read issued ahead, else ``read()`` here."""
         with self._lock:
             pending = self._ahead.pop(sample, None)
-        return stage.take(pending) if pending is not None else read()
+        if pending is None:
+            return read()
+        assert stage is not None, "a read was issued ahead through the stage"
+        return stage.take(pending)
 
     def forget(self, stage: ReadAhead | None) -> None:
         """The stream ended: reads issued for rows nobody will decode give their bytes back."""
         with self._lock:
             ahead, self._ahead = self._ahead, {}
         for pending in ahead.values():
+            assert stage is not None, "a read was issued ahead through the stage"
             stage.drop(pending)

@@ -115,6 +115,14 @@ class Storage:
         if self.read_ahead is not None:
             self.read_ahead.close()
 
+    @property
+    def _s3(self):
+        """The S3 client: made in __init__ when a data root is on S3; an S3 path that
+        reaches a read is under one (``locate``)."""
+        if self._client is None:
+            raise RuntimeError("an S3 read with no S3 data root: the path was not located")
+        return self._client
+
     # -- names -------------------------------------------------------------
 
     def locate(self, name: str) -> str:
@@ -160,7 +168,7 @@ class Storage:
             return True
         bucket, key = split_s3(path)
         with s3_errors(path):
-            reply = self._client.list_objects_v2(Bucket=bucket, Prefix=key + "/", MaxKeys=1)
+            reply = self._s3.list_objects_v2(Bucket=bucket, Prefix=key + "/", MaxKeys=1)
         return bool(reply.get("Contents") or reply.get("CommonPrefixes"))
 
     def list_objects(self, directory: str, first_level: bool = False) -> Iterator[str]:
@@ -179,7 +187,7 @@ class Storage:
         if not directory.endswith("/") or self.root_of(directory) is None:
             raise OutsideDataRoots(f"{directory!r} is not a directory under an S3 data root")
         extra = {"Delimiter": "/"} if first_level else {}
-        pages = self._client.get_paginator("list_objects_v2").paginate(
+        pages = self._s3.get_paginator("list_objects_v2").paginate(
             Bucket=bucket, Prefix=prefix, **extra, PaginationConfig={"PageSize": LIST_PAGE})
         with s3_errors(directory):
             for page in pages:
@@ -277,7 +285,7 @@ class Storage:
         started = time.perf_counter()
         bucket, key = split_s3(path)
         with s3_errors(path):
-            reply = self._client.get_object(Bucket=bucket, Key=key)
+            reply = self._s3.get_object(Bucket=bucket, Key=key)
         size = int(reply["ContentLength"])
         if size > self.max_file_bytes:
             reply["Body"].close()
@@ -306,7 +314,7 @@ class Storage:
         if is_s3(path):
             bucket, key = split_s3(path)
             with s3_errors(path):
-                reply = self._client.head_object(Bucket=bucket, Key=key)
+                reply = self._s3.head_object(Bucket=bucket, Key=key)
             return s3_version(reply)
         fd = self._local_roots(path).open_checked(path, _CONTAINER)
         try:
@@ -321,7 +329,7 @@ class Storage:
         if is_s3(path):
             bucket, key = split_s3(path)
             with s3_errors(path):
-                reply = self._client.get_object(Bucket=bucket, Key=key)
+                reply = self._s3.get_object(Bucket=bucket, Key=key)
             return IndexReads(self._observe_index, path, int(reply["ContentLength"]),
                               s3_version(reply), body=reply["Body"])
         fd = self._local_roots(path).open_checked(path, _CONTAINER)
@@ -333,10 +341,11 @@ class Storage:
         return IndexReads(self._observe_index, path, stat.st_size, local_version(stat), fd=fd)
 
     def _observe_index(self, path: str, size: int) -> None:
-        if self._index_bytes is not None:
+        read_bytes, index_bytes = self._bytes, self._index_bytes
+        if read_bytes is not None and index_bytes is not None:  # both set by register_metrics
             source = "s3" if is_s3(path) else "local"
-            self._bytes.labels(source).inc(size)
-            self._index_bytes.labels(source).inc(size)
+            read_bytes.labels(source).inc(size)
+            index_bytes.labels(source).inc(size)
 
     def _get(self, path: str, byte_range: str = "", etag: str = "") -> bytes:
         bucket, key = split_s3(path)
@@ -345,7 +354,7 @@ class Storage:
             extra["IfMatch"] = etag
         try:
             with s3_errors(path, etag):
-                reply = self._client.get_object(Bucket=bucket, Key=key, **extra)
+                reply = self._s3.get_object(Bucket=bucket, Key=key, **extra)
                 return reply["Body"].read()
         except PastEnd:
             return b""
@@ -356,7 +365,7 @@ class Storage:
         a gigabyte), and after at most ``limit + 1`` bytes whatever it declared."""
         bucket, key = split_s3(path)
         with s3_errors(path):
-            reply = self._client.get_object(Bucket=bucket, Key=key)
+            reply = self._s3.get_object(Bucket=bucket, Key=key)
             size = int(reply.get("ContentLength", 0))
             with contextlib.closing(reply["Body"]) as body:
                 data = body.read(limit + 1) if size <= limit else b""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Sequence
 
 from .paths import OutsideDataRoots
 
@@ -62,7 +63,7 @@ def expand_braces(name: str, limit: int = sys.maxsize) -> list[str]:
     return done
 
 
-def names_shards(names: list[str]) -> bool:
+def names_shards(names: Sequence[str]) -> bool:
     """Whether a request's names are tar shards; ValueError when shards and loose files mix."""
     shards = [n.endswith(".tar") or "{" in n for n in names]
     if any(shards) and not all(shards):
@@ -72,7 +73,7 @@ def names_shards(names: list[str]) -> bool:
     return bool(shards) and all(shards)
 
 
-def locate_shards(names: list[str], prefix: str, storage, limit: int = sys.maxsize
+def locate_shards(names: Sequence[str], prefix: str, storage, limit: int = sys.maxsize
                   ) -> list[str]:
     """Every shard's confined path, braces expanded; at most ``limit`` of them (else
     TooManyShards). OutsideDataRoots / ValueError name the item."""

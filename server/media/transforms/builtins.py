@@ -42,7 +42,7 @@ from torch.nn.functional import conv2d, grid_sample
 from .registry import SampleFn, register
 
 try:
-    from .. import _augment  # pyright: ignore[reportAttributeAccessIssue]  # C, no stub
+    from .. import _augment  # pyright: ignore[reportAttributeAccessIssue]  # C (_augment.c), no .pyi stub
 except ImportError:  # built without the C kernels: the torch path does all
     _augment = None
 

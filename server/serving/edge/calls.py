@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -144,11 +145,17 @@ def _parsed(requests, parse, method: str, context):
         yield message
 
 
-def _behaviour(handler: grpc.RpcMethodHandler):
+def _behaviour(handler: grpc.RpcMethodHandler) -> Callable[[Any, Any], Any]:
+    """The handler's method for its kind: the one of the four its two flags name."""
     if handler.request_streaming and handler.response_streaming:
-        return handler.stream_stream
-    if handler.request_streaming:
-        return handler.stream_unary
-    if handler.response_streaming:
-        return handler.unary_stream
-    return handler.unary_unary
+        behaviour = handler.stream_stream
+    elif handler.request_streaming:
+        behaviour = handler.stream_unary
+    elif handler.response_streaming:
+        behaviour = handler.unary_stream
+    else:
+        behaviour = handler.unary_unary
+    if behaviour is None:
+        raise RuntimeError("a gRPC method handler without the behaviour its streaming "
+                           "flags name")
+    return behaviour

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from functools import partial
+from typing import NoReturn
 
 import grpc
 
@@ -191,8 +192,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                     held.release()
                 plan = held = None
                 self._refuse(context, *refusal)
-            # types: plan is set unless _refuse raised
-            yield from self._serve(plan, job, memory, request_iterator, context)  # pyright: ignore[reportArgumentType]
+            yield from self._serve(plan, job, memory, request_iterator, context)
         finally:
             self._memory.give_back(reserved)
             if held is not None:
@@ -218,7 +218,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         with self._lock:
             self._planned_on -= 1
 
-    def _refuse(self, context, code: grpc.StatusCode, message: str) -> None:
+    def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode,
+                message: str) -> NoReturn:
         """Log, count and end a stream that is not served (raises, as context.abort does)."""
         message = _status_message(message)
         _log.warning("stream refused: peer=%s status=%s: %s", context.peer(), code.name, message)
@@ -275,7 +276,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             reader.start()
             stalled.arm(plan.lease_timeout)
             header = feed_pb2.StreamHeader(
-                # types: protobuf's stub wants the enum type, the plan holds its int
+                # protoc's generated stub types an enum field as its enum class only;
+                # protobuf takes the int the plan holds.
                 transport=plan.transport,  # pyright: ignore[reportArgumentType]
                 num_slots=plan.num_slots,
                 slot_bytes=plan.layout.slot_bytes,
@@ -297,8 +299,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 stalled.disarm()
                 log.sent(batch)
                 if batch.rows:
-                    # types: an InlineBatch stands for the ServerMessage it serializes to
-                    self._metrics.sent(plan.transport, message, time.perf_counter() - sending)  # pyright: ignore[reportArgumentType]
+                    self._metrics.sent(plan.transport, message, time.perf_counter() - sending)
             log.status = "OK"
         except StreamEnded as e:
             ending = _status(e), str(e)

@@ -96,7 +96,10 @@ def end_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: str)
     should a grpcio release rename it.
     """
     call = getattr(getattr(context, "_rpc_event", None), "call", None)
-    try:
-        call.cancel(code.value[0], details)
-    except Exception:  # noqa: BLE001 (any change in grpcio's internals)
-        context.cancel()
+    if call is not None:
+        try:
+            call.cancel(code.value[0], details)
+            return
+        except Exception:  # noqa: BLE001 (any change in grpcio's internals)
+            pass
+    context.cancel()

@@ -91,5 +91,5 @@ def add_feed_servicer(servicer, server: grpc.Server) -> None:
     }
     service = feed_pb2.DESCRIPTOR.services_by_name["Feed"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    # grpcio's stub lags its Server, which has had this since 1.62.
+    # typeshed's grpcio stub lags grpc.Server, which has had this method since 1.62.
     server.add_registered_method_handlers(service, handlers)  # pyright: ignore[reportAttributeAccessIssue]

@@ -144,8 +144,7 @@ def served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:
     if stride > 1 and req.job:
         raise InvalidRequest("batch_stride: a shared job serves the whole pass; give one or the "
                              "other")
-    # types: Batches' stub types a slice as an array
-    return batches[req.batch_offset::stride]  # pyright: ignore[reportReturnType]
+    return batches[req.batch_offset::stride]
 
 
 def start_batch(req: feed_pb2.StreamRequest, in_pass: int, served: int) -> int:

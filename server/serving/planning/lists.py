@@ -264,7 +264,7 @@ class SharedLists:
                 else:
                     flight = self._flights.get(key)
                     leader = flight is None
-                    if leader:
+                    if flight is None:
                         flight = self._flights[key] = _Flight()
                     flight.waiting.append(stopped)
             if entry is not None:

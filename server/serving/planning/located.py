@@ -111,8 +111,7 @@ def _names_shards(names: SampleNames) -> bool:
     """shardnames.py's ``names_shards`` (storage/), over packed names at once where no name
     has a brace."""
     if names.contains("{"):
-        # types: SampleNames is a sequence of str, not a list
-        return names_shards(names)  # pyright: ignore[reportArgumentType]
+        return names_shards(names)
     shards = names.ends_with(".tar")
     if not len(shards) or not shards.any():
         return False
@@ -155,8 +154,7 @@ def tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
         # A shard holds at least one sample (an unreadable one counts as one failed
         # sample): names over --max-samples, or --max-shards, are refused before they
         # are made, and so before any is indexed.
-        # types: as above
-        paths = locate_shards(names, prefix, storage,  # pyright: ignore[reportArgumentType]
+        paths = locate_shards(names, prefix, storage,
                               min(limits.max_samples, limits.max_shards))
     except OutsideDataRoots as e:
         raise Forbidden(f"samples: {e}") from None

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 
@@ -154,7 +155,13 @@ class Batches(Sequence[np.ndarray]):
     def __len__(self) -> int:
         return len(self._numbers)
 
-    def __getitem__(self, k):
+    @overload
+    def __getitem__(self, k: int) -> np.ndarray: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> Batches: ...
+
+    def __getitem__(self, k: int | slice) -> np.ndarray | Batches:
         if isinstance(k, slice):
             return Batches(self.order, self.batch_size, self._drop_last, self._numbers[k])
         start = self._numbers[k] * self.batch_size  # IndexError past the end

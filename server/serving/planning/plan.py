@@ -188,6 +188,7 @@ def _plan(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
                        padded=world_size > 1)
     fields = checks.sample_fields(req, kind, bool(shards))
     if kind == ARRAYS:
+        assert paths is not None, "array files are sample files, never shards"
         transform = None
         reader = ArrayRows(first_arrays(paths[0], names[0], storage))
         batch_names = requested_names(req, storage, paths, reader, prefix)

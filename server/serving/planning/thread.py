@@ -78,8 +78,8 @@ class Planning(Generic[Plan]):
                 error, self._error = self._error, None  # its traceback holds frames
                 raise error
             plan, self._plan = self._plan, None
-            # types: a finished planning without an error has made its plan
-            return plan  # pyright: ignore[reportReturnType]
+            assert plan is not None, "a planning that finished without an error made its plan"
+            return plan
 
     def when_finished(self, callback: Callable[[], None]) -> None:
         with self._cond:

@@ -96,8 +96,7 @@ class SlotBatch:
         self.slot = slot
         self.number = number
         # Sample indices, and which rows repeat a sample to pad the ranks even (planning/order.py).
-        # types: one batch of Batches is an array; the stub says either
-        indices, self.padded = samples_at(stream.plan.batches[number], len(stream.plan.paths))  # pyright: ignore[reportArgumentType]
+        indices, self.padded = samples_at(stream.plan.batches[number], len(stream.plan.paths))
         self.indices = indices
         self.arrays = stream.plan.layout.views(stream.ring.slot(slot))
         # (row, category, detail) of each row that failed, while decoding
@@ -444,8 +443,9 @@ class Stream:
             number = self.source.claim()
             if number is None:
                 return
-            # types: a slot is free: _start_ready checked free_slots
-            batch = SlotBatch(self, self._next_seq, self.ring.lease(self._next_seq), number)  # pyright: ignore[reportArgumentType]
+            slot = self.ring.lease(self._next_seq)
+            assert slot is not None, "a slot is free: the loop checked free_slots()"
+            batch = SlotBatch(self, self._next_seq, slot, number)
             self._batches[self._next_seq] = batch
             self._next_seq += 1
             self.plan.reader.read_ahead(self.storage, batch.indices, self.plan.paths)  # I/O stage
