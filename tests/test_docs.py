@@ -186,13 +186,13 @@ def _anchors(page: Path) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
 
 
-_REPO_PATH = re.compile(r"\b(?:server|client|tests|examples|bench|protos|docker|\.ci)/[\w./-]*\w")
+_REPO_PATH = re.compile(r"(?<![\w./-])(?:src|tests|examples|bench|protos|docker|\.ci)/[\w./-]*\w")
 
 
 @pytest.mark.parametrize("page", [*RUN_PAGES, REPO / "CONTRIBUTING.md"],
                          ids=lambda p: str(p.relative_to(REPO)))
 def test_named_repository_files_exist(page):
-    """A file of the repository the docs name (``server/media/draws.py``) is there: a
+    """A file of the repository the docs name (``src/gpufeed/server/media/draws.py``) is there: a
     module that moves takes its mentions with it."""
     missing = sorted({p for p in _REPO_PATH.findall(page.read_text())
                       if "." in p.rsplit("/", 1)[-1] and not (REPO / p).exists()})

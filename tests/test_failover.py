@@ -1,4 +1,4 @@
-"""The loader's failover (client/loader.py) with two real servers: a part whose
+"""The loader's failover (src/gpufeed/client/loader.py) with two real servers: a part whose
 server dies moves to the other at its own position, and what arrives there is
 what the dead server would have sent (content too, not only indices);
 ``reconnect_timeout=0`` turns failover off; an error that is not an outage is

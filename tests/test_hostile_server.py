@@ -90,7 +90,7 @@ def _serialize(message) -> bytes:
 def listening() -> Iterator[tuple[_Liar, str]]:
     """The lying server, started once for the module, and its address."""
     servicer = _Liar()
-    # As gpufeed-server (server/app.py): the client pings every 2 s, and a server that
+    # As gpufeed-server (src/gpufeed/server/app.py): the client pings every 2 s, and a server that
     # minded would send GOAWAY, which the loader reconnects through.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
         ("grpc.keepalive_permit_without_calls", 1),

@@ -109,8 +109,9 @@ def test_an_unknown_compression_is_refused_naming_the_field(array_server):
 
 
 def test_held_inline_batches_keep_their_pixels_while_later_ones_reuse_the_heap(feed, image_names):
-    """The client keeps freed batch buffers for reuse (client/malloc.py): a batch the trainer
-    still holds is never one of them, so it keeps its pixels while later batches arrive.
+    """The client keeps freed batch buffers for reuse (src/gpufeed/client/malloc.py): a
+    batch the trainer still holds is never one of them, so it keeps its pixels while
+    later batches arrive.
     Batches of 1.2 MB, above glibc's default mmap threshold, so they take that path."""
     options = dict(files=image_names[:40], batch_size=8, size=(224, 224))
     held = list(feed.loader(transport="inline", **options))  # every batch's views, kept

@@ -200,7 +200,7 @@ def test_sizes_derived_from_options_are_bounded(feed):
     # --max-pixels) to cut the centre; the crop path resizes only the centre box to
     # the output, so nothing that size is made and the samples are served. (Without
     # the JPEG extension the decoder still scales whole images: there the scaled
-    # size is checked against --max-pixels, server/media/decode.py.)
+    # size is checked against --max-pixels, src/gpufeed/server/media/decode.py.)
     loader = feed.loader(files=_images(2), batch_size=2, size=(16, 16), resize="center_crop",
                          shorter_side=200, failure_budget=2)
     assert _indices(loader) == [0, 1] and not loader.failures

@@ -3,7 +3,7 @@
 At its own size an image is not scaled: swscale converts it with converters of
 its own, one of which left the last ``width % 16`` columns of 4:2:0 and 4:2:2
 YUV unwritten, and another of which spread 4:2:0 chroma over odd heights
-(server/media/decode.py says how). So every format the server takes is decoded
+(src/gpufeed/server/media/decode.py says how). So every format the server takes is decoded
 here over a zoo of sizes (widths 1 to 40, every residue mod 16; heights odd and
 even; 1x1 to 17x33 and past them) through ``ImageDecoder.decode_into``, the call
 ``ImageRows.read_into`` makes, on both JPEG paths (the C extension, and PyAV as

@@ -1,4 +1,4 @@
-"""``Output`` (client/output.py): the grouped spelling of loader()'s output options
+"""``Output`` (src/gpufeed/client/output.py): the grouped spelling of loader()'s output options
 gives the same batches as the flat keywords, and mixing them up is a clear error."""
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ def test_committed_stubs_match_the_proto(tmp_path):
     assert protoc.main(args) == 0
     for name in STUBS:
         fresh = (tmp_path / "gpufeed/v1" / name).read_text()
-        committed = (ROOT / "protos/gpufeed/v1" / name).read_text()
-        assert fresh == committed, f"protos/gpufeed/v1/{name} is stale: regenerate the stubs"
+        committed = (ROOT / "src/gpufeed/v1" / name).read_text()
+        assert fresh == committed, f"src/gpufeed/v1/{name} is stale: regenerate the stubs"
 
 
 def test_client_imports_without_server_dependencies():

@@ -54,9 +54,7 @@ fi
 say "2/3 gpufeed, without dependencies"
 pkg=$work/pkg/gpufeed
 mkdir -p "$pkg"
-cp -r protos/gpufeed/. "$pkg/"
-cp -r server "$pkg/server"
-cp -r client "$pkg/client"
+cp -r src/gpufeed/. "$pkg/"
 find "$pkg" \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
 if ls "$gpu"/ext/*.so >/dev/null 2>&1; then
     cp "$gpu"/ext/* "$pkg/server/media/"

@@ -3,7 +3,7 @@
 Read from the source with ``ast`` (nothing is imported), so it runs anywhere
 in a fraction of a second. A package here is a folder of modules
 (``gpufeed.server.media``, ``gpufeed.server.serving.planning``); the modules
-directly in ``server/`` and ``client/`` (``config``, ``app``, ``feed``...)
+directly in ``src/gpufeed/server/`` and ``client/`` (``config``, ``app``, ``feed``...)
 each count as a node of their own, since they do different jobs. An import
 inside a function or under ``TYPE_CHECKING`` counts like any other: a loop
 drawn only for a type checker is still a loop a reader must follow.
@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# Where each import name's files live (pyproject.toml's package-dir).
-PACKAGES = {"gpufeed.server": ROOT / "server", "gpufeed.client": ROOT / "client"}
+# Where each import name's files live (src/ layout: the folders are the import names).
+PACKAGES = {"gpufeed.server": ROOT / "src/gpufeed/server",
+            "gpufeed.client": ROOT / "src/gpufeed/client"}
 # A module longer than this does more than one job, or one job too many ways.
 MAX_LINES = 500
 

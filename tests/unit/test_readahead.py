@@ -1,4 +1,4 @@
-"""The I/O stage's byte budget (server/storage/readahead.py), over a fake object store:
+"""The I/O stage's byte budget (src/gpufeed/server/storage/readahead.py), over a fake object store:
 bodies are read only within the budget, reads of unknown size included, and every read
 gives back the bytes it held. The real-S3 passes are in test_s3.py."""
 

@@ -1,4 +1,4 @@
-"""Shared jobs (server/serving/running/sources.py) as units: which requests share a job
+"""Shared jobs (src/gpufeed/server/serving/running/sources.py) as units: which requests share a job
 (the request fingerprint), how a pass is dealt out and given back, and how long
 a job without consumers is kept (idle eviction), on a clock the test moves."""
 

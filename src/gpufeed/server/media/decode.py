@@ -1,9 +1,9 @@
 """Decode an encoded image straight into its row of a batch.
 
-Crop, then scale: a sample's crop box (server/media/output.py) says which window
+Crop, then scale: a sample's crop box (src/gpufeed/server/media/output.py) says which window
 of the source becomes the output, and only that window is resized.
 
-- JPEG (YCbCr, RGB, grayscale) goes through the fast path in server/media/jpeg.py
+- JPEG (YCbCr, RGB, grayscale) goes through the fast path in src/gpufeed/server/media/jpeg.py
   when its C extension is built: only the MCUs under the box are decoded, at
   1/2-1/8 scale when the box is that much larger than the output, then resized
   into the row.

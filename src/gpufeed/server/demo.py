@@ -75,9 +75,8 @@ def _default_dir() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Relative: gpufeed.client is installed from client/, next to server/, and pyright
-    # finds it so (it cannot follow the editable install's package-dir map).
-    from ..client import FeedClient
+    from gpufeed.client import FeedClient
+
     from .process import ServerProcess
 
     p = argparse.ArgumentParser(prog="gpufeed-demo", description=__doc__)

@@ -6,7 +6,7 @@ A state is ``{"epoch", "samples_consumed", "world_size", "resumed_from",
 ``world_size`` ranks; and, when that epoch was itself resumed at another world
 size, its earlier *phases*, ``[world_size, batches]`` pairs, first to last (what
 a phase is, and which samples the next one gets, is the server's rule:
-server/serving/planning/order.py). Synchronous data-parallel ranks consume as many
+src/gpufeed/server/serving/planning/order.py). Synchronous data-parallel ranks consume as many
 batches each, so any rank's state stands for every rank's, and every rank of a
 restarted job may load the same one (torchrun's elastic restarts hand every
 rank the same checkpoint).

@@ -1,4 +1,4 @@
-/* The built-in augmentations' C kernels (server/media/transforms/builtins.py), GIL released.
+/* The built-in augmentations' C kernels (src/gpufeed/server/media/transforms/builtins.py), GIL released.
  *
  * Each kernel computes, pixel by pixel on uint8 planes, the formula the torch
  * path in transforms/builtins.py computes with whole-tensor operations (torchvision.

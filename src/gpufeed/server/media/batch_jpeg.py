@@ -13,7 +13,7 @@ they are decoded) in one call (``BatchJpegDecoder.decode``). Each region is
 then resampled to the output on the decoder's device by two matrix products
 whose weights are the CPU path's filter over the box's exact, sub-pixel
 position (``resample_weights``: Pillow's bilinear triangle, widened when
-shrinking, as server/media/_jpeg.c computes it), mirrored for a flip, and
+shrinking, as src/gpufeed/server/media/_jpeg.c computes it), mirrored for a flip, and
 written into the batch's row: within a level or two of Pillow cropping and
 resizing the same box. It agrees as closely with the CPU path where that decodes
 at full scale; where the box is twice the output or more, the CPU path lets

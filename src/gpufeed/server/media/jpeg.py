@@ -1,6 +1,6 @@
 """The JPEG fast path: decode only the crop window, at reduced scale when it pays.
 
-``_jpeg`` is a small C extension (server/media/_jpeg.c) over libjpeg-turbo's classic
+``_jpeg`` is a small C extension (src/gpufeed/server/media/_jpeg.c) over libjpeg-turbo's classic
 API, the calls TensorFlow's ``decode_and_crop_jpeg`` uses. For one sample it:
 
 - decodes only the rows the crop box needs (rows below it are never read,
@@ -20,7 +20,7 @@ accuracy") gives the PSNR over the bench set's training crops.
 
 The extension is optional: it is built when libjpeg-turbo's headers are there
 (Debian: ``libjpeg62-turbo-dev``). Without it ``AVAILABLE`` is false and
-server/media/decode.py decodes JPEGs with PyAV, as it says at start-up. CMYK and
+src/gpufeed/server/media/decode.py decodes JPEGs with PyAV, as it says at start-up. CMYK and
 YCCK JPEGs, and files that do not end with an end-of-image marker (truncated,
 or with data appended), take the PyAV path too: PyAV's ``err_detect=explode``
 is what judges a damaged file. Corrupt data that the fast path does meet

@@ -1,6 +1,6 @@
 """What an operator sets: the server's configuration and the limits a request is held to.
 
-``ServerConfig`` is what ``gpufeed-server``'s flags fill (server/__main__.py) and
+``ServerConfig`` is what ``gpufeed-server``'s flags fill (src/gpufeed/server/__main__.py) and
 what an embedding program passes to ``FeedServer``; ``Limits`` is the part a
 request is checked against (serving/planning/checks.py). Each default is stated once,
 here. This module imports nothing heavy (no torch, PyAV or gRPC), so that the
