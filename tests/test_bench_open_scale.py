@@ -12,12 +12,15 @@ import json
 import mmap
 import os
 
+import pytest
+
 from bench import open_scale
 from bench.open_scale_rank import ImageFolderIndex, per_class
 
 _LINES = 2000
 
 
+@pytest.mark.slow
 def test_open_scale_tiny(tmp_path):
     root, out = tmp_path / "data", tmp_path / "results"
     report = open_scale.main([

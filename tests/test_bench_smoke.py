@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from bench import run, soak
 
 # Rows that need only gpufeed's own dependencies (server + dev extras): they must run.
@@ -27,6 +29,7 @@ _OPTIONAL = {"spdl", "tf-rrc", "dali-rrc", "wds-torch-2-local", "tf-shards-local
 _IMAGES, _ARRAYS = 48, 40
 
 
+@pytest.mark.slow
 def test_bench_and_soak_smoke(tmp_path):
     # The soak runs beside the rows (speed is not what this checks): the two together take
     # about as long as the rows alone, which leave the second core idle now and then.

@@ -49,7 +49,7 @@ from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from support import shm_prefix, wait_until
 from test_compose import _COMPOSE, _COMPOSE_CPU, _load, _merge
 
-pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.container, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 _ROOT = Path(__file__).resolve().parents[1]
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpufeed" / "container"

@@ -49,6 +49,7 @@ def _train(server, checkpoint: Path, *extra: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_example_trains_checkpoints_mid_epoch_and_resumes(imagefolder, tmp_path):
     checkpoint = tmp_path / "checkpoint.pt"
     with ServerProcess(["--data-root", str(imagefolder), "--threads", "2"]) as server:

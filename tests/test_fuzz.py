@@ -156,6 +156,7 @@ class _Trainer(threading.Thread):
             self.error = e
 
 
+@pytest.mark.slow
 def test_fuzzed_calls_leave_the_server_serving(data_dir, image_names):
     rng = random.Random(SEED)
     args = ["--data-root", str(data_dir), "--max-streams", "8", "--max-prefetch", "4",
@@ -356,6 +357,7 @@ def _jpeg_reference(jpeg: bytes) -> np.ndarray:
         return np.asarray(im.convert("RGB").resize(_SIZE[::-1], Image.BILINEAR)).transpose(2, 0, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)  # a hang fails here, not at the suite's 300 s
 def test_fuzzed_shards_sidecars_and_parameters_leave_the_server_serving(tmp_path):
     rng = random.Random(SURFACE_SEED)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +19,7 @@ _GPU_ROWS = {"gpufeed-shm-h2d-rrc-u8", "gpufeed-cuda-rrc-u8", "gpufeed-nvimgcode
              "torchvision-gpu-rrc-u8"}
 
 
+@pytest.mark.slow
 def test_the_dry_run_does_every_step_and_reports_what_the_device_tool_fetches(tmp_path):
     gpu, out = tmp_path / "gpu", tmp_path / "out"
     env = {**os.environ, "GPUFEED_GPU_DIR": str(gpu), "OUT": str(out), "PYTHON": sys.executable}

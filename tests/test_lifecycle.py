@@ -154,6 +154,7 @@ def never_returns(marker: str = ""):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_sigterm_ends_the_server_even_when_a_decode_thread_never_returns(data_dir, image_names,
                                                                          tmp_path):
     """A stop waits for the decode threads; one that never returns must not keep the

@@ -293,6 +293,7 @@ def test_failures_are_counted_by_their_wire_category():
     assert _value(text, "gpufeed_sample_failures_total", category="permission_denied") == 0
 
 
+@pytest.mark.slow
 def test_prometheus_scrapes_the_live_server(data_root, tmp_path):
     """Debian's real prometheus scrapes the server; its API returns the client's count,
     and evaluates every query of the Grafana dashboard without error."""

@@ -108,6 +108,7 @@ def test_random_resized_crop_and_flip_match_the_reference(feed, data_dir, image_
     assert 0 < flips < 32
 
 
+@pytest.mark.slow
 def test_same_seed_and_epoch_same_output_whatever_the_threads(data_dir, image_names):
     def run(threads: int, epoch: int) -> torch.Tensor:
         with ServerProcess(["--data-root", str(data_dir), "--threads", str(threads)]) as server, \

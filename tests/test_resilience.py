@@ -180,6 +180,7 @@ _MANY_STREAMS_CLIENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_64_streams_from_8_processes_and_the_65th_refused(data_dir, image_names):
     files = image_names[:12]
     with ServerProcess(["--data-root", str(data_dir), "--max-streams", "64"]) as server:

@@ -123,6 +123,7 @@ def _admitted_pass(address: str, files: list[str], passes: list) -> bool:
 
 
 @pytest.mark.parametrize("token", [None, "s3cret"])
+@pytest.mark.slow
 def test_idle_calls_never_starve_health_info_or_trainers(data_dir, image_names, tmp_path, token):
     """More idle calls than the server has worker threads: calls that never send their
     first message (Stream, Info), and health watchers that never end."""
@@ -297,6 +298,7 @@ _FULL_SHM_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+@pytest.mark.slow
 def test_auto_falls_back_to_inline_when_dev_shm_is_full(data_dir, image_names):
     files = image_names[:20]
     command = shlex.join([sys.executable, "-c", _FULL_SHM_SCRIPT, str(data_dir), *files])

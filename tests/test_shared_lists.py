@@ -158,6 +158,7 @@ def test_a_list_is_parsed_once_for_every_stream_that_names_it(root, served):
     assert _metric(metrics, "gpufeed_shared_list_bytes") > 0
 
 
+@pytest.mark.slow
 def test_a_rewritten_list_is_parsed_again_and_its_new_lines_served(root):
     path = _write_list(root / "changing.flist", [f"{n}\t{i}" for i, n in enumerate(_images(4))])
     with _server(root) as (address, metrics), FeedClient(address) as feed:
