@@ -46,7 +46,7 @@ build_extensions() {  # the flags of pyproject.toml's ext-modules, plus the stab
         cp -L "$(ldd "$ext/_jpeg.abi3.so" | awk '/libjpeg/ {print $3}')" "$ext/"
     fi
     gcc -O3 -ffp-contract=off -fno-trapping-math -fPIC -shared -DPy_LIMITED_API=0x030B0000 \
-        -I"$include" src/gpufeed/server/media/_augment.c -o "$ext/_augment.abi3.so" -lm
+        -I"$include" src/gpufeed/server/media/transforms/_augment.c -o "$ext/_augment.abi3.so" -lm
     echo "built $(ls "$ext" | tr '\n' ' ')in $ext"
 }
 

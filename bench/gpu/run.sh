@@ -57,7 +57,10 @@ mkdir -p "$pkg"
 cp -r src/gpufeed/. "$pkg/"
 find "$pkg" \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
 if ls "$gpu"/ext/*.so >/dev/null 2>&1; then
-    cp "$gpu"/ext/* "$pkg/server/media/"
+    cp "$gpu"/ext/* "$pkg/server/media/"  # _jpeg, and the libjpeg it loads from its folder
+    if [ -f "$pkg/server/media/_augment.abi3.so" ]; then
+        mv "$pkg/server/media/_augment.abi3.so" "$pkg/server/media/transforms/"
+    fi
     say "C extensions: $(cd "$gpu/ext" && ls | tr '\n' ' ')(built by prepare.sh for the stable ABI)"
 else
     say "no $gpu/ext: the JPEG fast path and the C kernels are missing; the check says which path ran"

@@ -40,7 +40,7 @@ class SampleFailure(tuple):
     def reason(self) -> str:
         return self[1]
 
-    def __getnewargs__(self) -> tuple[int, str, str]:  # type: ignore[override]
+    def __getnewargs__(self) -> tuple[int, str, str]:
         return self[0], self[1], self.category
 
     def __repr__(self) -> str:

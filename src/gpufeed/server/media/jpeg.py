@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from . import _jpeg  # pyright: ignore[reportAttributeAccessIssue]  # C (_jpeg.c), no .pyi stub
+    from . import _jpeg
 except ImportError as e:  # built without libjpeg-turbo's headers
     _jpeg = None
     _MISSING = str(e)

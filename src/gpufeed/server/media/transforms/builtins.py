@@ -13,7 +13,7 @@ float32 in torch, so a sample point on a pixel's edge may round either way.
 Their random draws follow torchvision's distributions, taken
 from the sample's generator rather than torch's global one, so a pass is
 reproducible and resumable; the pixels for given parameters (factors, an
-operation and its magnitude, a box) are torchvision's (tests/test_plugins.py
+operation and its magnitude, a box) are torchvision's (tests/test_builtin_transforms.py
 checks them against references written from its formulas).
 
 Not offered: TrivialAugmentWide's bilinear interpolation (nearest only, its
@@ -42,7 +42,7 @@ from torch.nn.functional import conv2d, grid_sample
 from .registry import SampleFn, register
 
 try:
-    from .. import _augment  # pyright: ignore[reportAttributeAccessIssue]  # C (_augment.c), no .pyi stub
+    from . import _augment
 except ImportError:  # built without the C kernels: the torch path does all
     _augment = None
 
@@ -73,7 +73,7 @@ def use_native(enabled: bool) -> None:
     peer runs the latter, as a torchvision user would; tests check the two agree."""
     global _native
     if enabled and _augment is None:
-        raise RuntimeError("the C kernels (gpufeed.server.media._augment) are not built")
+        raise RuntimeError("the C kernels (gpufeed.server.media.transforms._augment) are not built")
     _native = _augment if enabled else None
 
 
@@ -256,7 +256,7 @@ def _warp(image: torch.Tensor, matrix: list[float], fill: list[float] | None) ->
     """Nearest-neighbour resampling of ``image`` through ``matrix`` (output -> input,
     about the image's centre); outside the image: ``fill``, or zeros. The C kernel maps
     pixels in double where torch's grid is float32: a point on a pixel's edge may round
-    to the other neighbour (tests/test_augment.py counts them)."""
+    to the other neighbour (tests/test_builtin_transforms.py counts them)."""
     if _native_takes(image) and (fill is None or len(fill) in (1, image.shape[-3])):
         pixels = None
         if fill is not None:  # what the torch path's round_() makes of the fill

@@ -263,4 +263,4 @@ def _describe(hint: object) -> str:
         args = [a for a in typing.get_args(hint) if a is not Ellipsis]
         return f"a list of ({_describe(args[0])})" if args else "a list"
     return {float: "a number", int: "an integer", bool: "true or false", str: "a string",
-            type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))  # type: ignore
+            type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))

@@ -41,7 +41,7 @@ def photos() -> torch.Tensor:
 def kernels(request):
     """The kernel tests run on both paths: torch's operations, and the C kernels."""
     if request.param == "C" and not augment.NATIVE_BUILT:
-        pytest.skip("the C kernels (gpufeed.server.media._augment) are not built")
+        pytest.skip("the C kernels (gpufeed.server.media.transforms._augment) are not built")
     augment.use_native(request.param == "C")
     yield request.param
     augment.use_native(augment.NATIVE_BUILT)
@@ -222,7 +222,7 @@ def test_fill_marks_what_comes_from_outside(photos):
 # --- the C kernels against the torch path ------------------------------------------------------
 
 needs_c = pytest.mark.skipif(not augment.NATIVE_BUILT,
-                             reason="the C kernels (gpufeed.server.media._augment) are not built")
+                             reason="the C kernels (media/transforms/_augment.c) are not built")
 
 # Odd shapes: single pixels, rows and columns, sizes no vector width divides, a batch.
 _SHAPES = [(3, 1, 1), (3, 2, 5), (3, 3, 3), (3, 7, 13), (3, 37, 53), (2, 3, 17, 9)]
@@ -250,7 +250,7 @@ def _noise(shape, seed=0) -> torch.Tensor:
 @pytest.fixture(params=["wide", "baseline"])
 def variant(request):
     """The C kernels are compiled twice, for AVX2 + FMA and for any x86-64: both run."""
-    native = importlib.import_module("gpufeed.server.media._augment")
+    native = importlib.import_module("gpufeed.server.media.transforms._augment")
     if native.use_wide(request.param == "wide") != (request.param == "wide"):
         pytest.skip("no AVX2 + FMA variant on this CPU or compiler")
     yield request.param
@@ -342,7 +342,7 @@ def test_c_kernels_release_the_gil():
     to ever force a switch, a thread that calls a kernel in a loop hands the GIL over
     only where a kernel releases it: the main thread then gets in and stops the loop
     after a few calls. A kernel holding the GIL would run all its calls first."""
-    native = importlib.import_module("gpufeed.server.media._augment")
+    native = importlib.import_module("gpufeed.server.media.transforms._augment")
     side, calls_at_most = 128, 20000
     image = _noise((3, side, side), seed=3).numpy()
     out = np.empty_like(image)
