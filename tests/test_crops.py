@@ -78,7 +78,8 @@ def _reference(path, box, flip: bool) -> np.ndarray:
 @pytest.mark.parametrize("resize", RESIZES)
 def test_crops_match_pillow_on_the_same_box(feed, data_dir, crop_files, resize):
     """Every sample once, over shm; its box recomputed with the server's own function from
-    (seed, epoch, index): mean PSNR >= 30 dB, worst >= 25 dB (issue 12's bar)."""
+    (seed, epoch, index): mean PSNR >= 30 dB, worst >= 25 dB (the decoder's bar in
+    bench/RESULTS.md, "Decoder accuracy")."""
     loader = feed.loader(files=crop_files, batch_size=8, size=SIZE, resize=resize, flip=0.5,
                          seed=SEED, epoch=EPOCH, transport="shm")
     transform = OutputTransform(feed_pb2.OutputSpec(height=SIZE[0], width=SIZE[1],

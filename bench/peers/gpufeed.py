@@ -10,7 +10,8 @@ the recipe's scale and ratio, ``flip=0.5``, uint8 or float16 normalised; or
 the files is one stream.
 
 ``run_gpu`` is the trainer on a GPU host: over shm, copying each batch to the
-GPU itself (``.cuda(non_blocking=True)``, as the README's training loop moves it),
+GPU itself (``.cuda(non_blocking=True)``, as the README's loop does with
+``.to(device, non_blocking=True)``),
 or over cuda_ipc from a server started with ``--device cuda:0``, its batches
 already on the GPU; with ``--decoder nvimgcodec`` too where the server has it.
 

@@ -168,8 +168,8 @@ class FeedClient:
                 has answered becomes unavailable (0: never); one that never
                 answered fails within ``connect_timeout``.
             job: share one pass with every loader naming the same job (one
-                server only; see gpufeed.server.serving.running.sources for what
-                that keeps and loses).
+                server only; docs/guide/operations.md, "Shared jobs", says
+                what that keeps and loses).
             fields: a sample's fields beside its image, each from a sidecar
                 file: names (``["mask", "boxes", "meta"]``, default sidecars)
                 or a dict of name to a ``Field`` or a suffix; each is a tensor

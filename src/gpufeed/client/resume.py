@@ -15,8 +15,8 @@ A loader at the state's world size continues its phase at that batch. A loader
 at another closes the phase (``batches`` each) and asks for the samples no phase
 delivered, dealt over its own ranks: a new phase, from its start. A phase in
 which nothing was consumed is left out: after another phase it changes nothing
-(order.py), and as the epoch's first, leaving it out gives the new world size's
-own order, as a fresh run has.
+(the server's serving/planning/order.py), and as the epoch's first, leaving it
+out gives the new world size's own order, as a fresh run has.
 """
 
 from __future__ import annotations

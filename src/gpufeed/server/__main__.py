@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plugins", action="append", default=[], metavar="MODULE",
                    help="import this module (e.g. mypkg.transforms; repeatable, or "
                         "comma-separated): the sample transforms it registers become "
-                        "transforms requests may name (README.md, 'Sample transforms')")
+                        "transforms requests may name (docs/guide/transforms.md)")
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="decode threads shared by all streams (default: cores, %(default)s)")
     p.add_argument("--device", default=ServerConfig.device,
@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="concurrent streams (default %(default)s)")
     p.add_argument("--max-waiting-calls", type=int, default=ServerConfig.max_waiting_calls,
                    help="calls that have not sent their first message (a Stream its request) "
-                        "at once, refused past it; as many health Watch / reflection calls "
+                        "at once; past it the call waiting longest is ended; as many health "
+                        "Watch / reflection calls "
                         "(default %(default)s)")
     p.add_argument("--open-timeout", type=float, default=ServerConfig.open_timeout,
                    help="seconds a call may take to send its first message before it is ended "

@@ -48,7 +48,7 @@ class Limits:
     max_shards: int = 100_000
     # A list file larger than this is refused before it is read (~12M lines of 40 bytes).
     max_list_bytes: int = 512 << 20
-    # Every open stream's ring and plan together (serving/edge/service.py, budget.py).
+    # Every open stream's ring and plan together (serving/edge/service.py, memory/budget.py).
     max_memory_bytes: int = field(default_factory=default_memory_bytes)
 
 

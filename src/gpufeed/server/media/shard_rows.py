@@ -52,7 +52,7 @@ class _SamplePaths:
     @property
     def nbytes(self) -> int:
         """The index a plan keeps (counted against the server's memory budget), and a byte
-        per sample: which ones the stream reads (chunks.py)."""
+        per sample: which ones the stream reads (storage/chunks.py)."""
         return self._shards.nbytes + self._shards.num_samples
 
 
@@ -78,7 +78,7 @@ class ShardRows(RowReader):
             name: sidecar.suffix[1:].lower() for name, sidecar in fields.sidecars.items()}
         self.paths = _SamplePaths(shards)
         self._s3 = np.asarray([is_s3(path) for path in shards.paths], bool)  # per shard
-        # S3 samples' reads issued ahead, in chunks of whole samples (chunks.py)
+        # S3 samples' reads issued ahead, in chunks of whole samples (storage/chunks.py)
         self._chunks = ChunkReads(shards.num_samples, self._span, shards.shard_end)
         self._files = ShardFiles()  # local shards, open while the stream reads them
         self._versions = [index.version for index in shards.indexes]

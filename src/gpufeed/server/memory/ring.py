@@ -49,7 +49,7 @@ class BatchLayout:
     ``arrays`` are (name, dtype, per-sample shape[, wire dtype]); those named in
     ``private`` are the server's working space (say, uint8 pixels before a
     float conversion) and are not sent. Those named in ``offsets`` have
-    batch_size + 1 rows: the offsets of a variable-length field (fields.py).
+    batch_size + 1 rows: the offsets of a variable-length field (media/fields.py).
     """
 
     def __init__(self, batch_size: int, arrays: list[tuple], private: tuple[str, ...] = (),

@@ -4,7 +4,7 @@ They run on the decode thread that decoded the sample, right after the decode
 wrote its row (crop, scale and flip done) and before the batch pass
 (normalisation, dtype, layout), on the row itself: ``image`` is a uint8
 [3, H, W] view of the batch, and the stream's fields (``mask``, ``boxes``,
-``meta``: fields.py's ``row_sample``) are views of theirs, already cropped and
+``meta``: media/fields.py's ``row_sample``) are views of theirs, already cropped and
 flipped with the image. A transform's generator is seeded by (seed, epoch,
 sample index, 100 + its place in the request's list), so its draws never
 shift the crop's or flip's, nor another transform's, and do not depend on

@@ -18,7 +18,7 @@ class is that folder). Every sample must then have the same dataset directory;
 with explicit ``classes`` it need not, and the classes are those given. Either
 way a sample whose class folder is not a class is refused, naming it.
 
-A directory in S3 is a prefix ending in "/" (roots.py), listed with
+A directory in S3 is a prefix ending in "/" (storage/roots.py), listed with
 ListObjectsV2 under the same rules: the sample objects under it in the order
 the same tree on disk would have (a key's first "folder" below the directory
 is its class folder, the rest of its path its subdirectories), the bound

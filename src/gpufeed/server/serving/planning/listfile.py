@@ -1,6 +1,6 @@
 """A list file's bytes as sample names (and labels): one pass of numpy over the whole file.
 
-The rules (README, *List files*): one sample per line; blank lines skipped,
+The rules (docs/guide/data-sources.md, "List files"): one sample per line; blank lines skipped,
 each line stripped (Python's ``str.strip``), lines broken where
 ``str.splitlines`` breaks them (so CRLF files read the same); the file is
 UTF-8, refused when it is not. With labels, a line is ``path<TAB>label`` when

@@ -108,7 +108,7 @@ def _pack(names: Iterable[str], limits: Limits) -> SampleNames:
 
 
 def _names_shards(names: SampleNames) -> bool:
-    """shardnames.py's ``names_shards`` (storage/), over packed names at once where no name
+    """storage/shardnames.py's ``names_shards``, over packed names at once where no name
     has a brace."""
     if names.contains("{"):
         return names_shards(names)
@@ -147,7 +147,7 @@ def names_kind(names: Sequence[str]) -> str:
 def tar_shards(req: feed_pb2.StreamRequest, names: SampleNames, prefix: str,
                storage: Storage, limits: Limits, stopped: Callable[[], bool]
                ) -> ShardSet | None:
-    """The named tar shards, indexed (shards.py); None when the names are loose files."""
+    """The named tar shards, indexed (storage/shards.py); None when the names are loose files."""
     try:
         if not _names_shards(names):
             return None

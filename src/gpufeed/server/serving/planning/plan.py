@@ -71,7 +71,7 @@ class StreamPlan:
     # Inline only: the request's compression ("" for none) and its compressor.
     compression: str = ""
     compress: Callable[[list[memoryview]], list[bytes]] | None = None
-    # The request's fields beside the image (fields.py); None when it declares none.
+    # The request's fields beside the image (media/fields.py); None when it declares none.
     fields: SampleFields | None = None
     # The request's sample transforms (media/transforms/registry.py), run on each decoded row.
     sample_transforms: SampleTransforms | None = None
@@ -168,7 +168,7 @@ def _plan(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
     names, listed_labels, prefix = sample_names(req, storage, limits, stopped, lists, held)
     if not names:
         raise InvalidRequest("samples: the list is empty")
-    shards = tar_shards(req, names, prefix, storage, limits, stopped)  # shards.py, or None
+    shards = tar_shards(req, names, prefix, storage, limits, stopped)  # storage/shards.py, or None
     if shards:
         paths, labels, classes, kind = None, None, [], IMAGE
     else:

@@ -106,7 +106,7 @@ class SlotBatch:
         # (sample index, category, reason naming the file), sorted, once finished
         self.failures: list[tuple[int, int, str]] = []
         self.rows = len(indices)
-        # Variable-length fields, packed: entries sent of each (fields.py), by name.
+        # Variable-length fields, packed: entries sent of each (media/fields.py), by name.
         self.lengths: dict[str, int] = {}
         self._stream = stream
         self._pending = len(indices)
