@@ -353,8 +353,10 @@ def _api(address: str, query: str) -> dict:
     try:
         with urllib.request.urlopen(url, timeout=10) as reply:
             return json.load(reply)
-    except urllib.error.HTTPError as e:  # 400/422 carry the error as JSON
-        return json.load(e)
+    except urllib.error.HTTPError as e:
+        if e.code == 503:  # "Service Unavailable" while its storage starts: not ready yet
+            raise  # an OSError, as a port not listening yet is
+        return json.load(e)  # 400/422 carry the error as JSON
 
 
 def _query_values(address: str, query: str) -> list[float] | None:
