@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["Meter", "Result", "TreeCpu", "tree_cpu_seconds", "tree_usage", "write_report"]
+__all__ = ["Meter", "Result", "TreeCpu", "descendants", "proc_status", "tree_cpu_seconds",
+           "tree_usage", "write_report"]
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -220,6 +221,25 @@ class _Usage(NamedTuple):
     @property
     def cpu(self) -> float:
         return self.user + self.system
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and its live descendants (one walk of /proc)."""
+    return list(_tree(root))
+
+
+_STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssShmem", "RssFile", "Threads")
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS, VmHWM, RssAnon, RssShmem, RssFile (kB) and Threads from /proc/<pid>/status."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in _STATUS_FIELDS:
+                out[key] = int(value.split()[0])
+    return out
 
 
 def _tree(root: int) -> dict[int, _Usage]:

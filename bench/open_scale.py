@@ -69,7 +69,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["build", "main", "memory_of", "tree"]
+from .measure import descendants, proc_status
+
+__all__ = ["build", "main", "memory_of"]
 
 _LINES = 1_281_167  # ImageNet-1k's training set
 _CLASSES = 1000
@@ -114,29 +116,6 @@ def build(root: Path, lines: int = _LINES, pool: int = 1300, side: int = 64) -> 
 _MB = 1024 * 1024
 _RSS_PARTS = ("RssAnon", "RssShmem", "RssFile")
 _SHARED = ("/dev/shm/", "/memfd:", "/dev/zero", "/SYSV")  # shmem objects, as maps names them
-
-
-def tree(root: int) -> list[int]:
-    """``root`` and its descendants (one walk of /proc)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    raw = f.read().decode()
-            except OSError:
-                continue
-            parents[int(entry)] = int(raw[raw.rindex(")") + 2:].split()[1])
-    children: dict[int, list[int]] = {}
-    for pid, parent in parents.items():
-        children.setdefault(parent, []).append(pid)
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        if pid in parents:
-            found.append(pid)
-        todo.extend(children.get(pid, ()))
-    return found
 
 
 def _rollup(pid: int) -> dict[str, int]:
@@ -225,14 +204,6 @@ def _running() -> int:
     1-minute load average lags a minute behind, and still counts the last row's."""
     with open("/proc/loadavg") as f:
         return int(f.read().split()[3].split("/")[0]) - 1
-
-
-def _rss_mb(pid: int, field: str = "VmRSS") -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} for {pid}")
 
 
 def _reset_peak(pid: int) -> None:
@@ -379,8 +350,8 @@ def _row(side: str, ranks: int, args, list_file: Path, progress) -> dict:
                 _wait(team, "ready", ranks, began=None, limit_gib=limit, deadline=deadline,
                       what="ready (imports)", progress=progress)
                 if server is not None:
-                    row["rss_before_mb"] = round(_rss_mb(server.proc.pid))
-                    parts_before = {k: _rss_mb(server.proc.pid, k) for k in _RSS_PARTS}
+                    before = proc_status(server.proc.pid)
+                    row["rss_before_mb"] = round(before["VmRSS"] / 1024)
                     _reset_peak(server.proc.pid)
                 row["load_at_start"] = _load()
                 progress(f"{side}, {ranks} ranks: all ready; go (load average "
@@ -399,18 +370,18 @@ def _row(side: str, ranks: int, args, list_file: Path, progress) -> dict:
                         raise _Stopped(f"the machine's used memory passed {limit:g} GiB "
                                        f"while the ranks held: the row is stopped")
                 groups = {"rank": [p.pid for p in team.procs]}
-                workers = [pid for p in team.procs for pid in tree(p.pid) if pid != p.pid]
+                workers = [pid for p in team.procs for pid in descendants(p.pid) if pid != p.pid]
                 if workers:  # DataLoader's (a gpufeed rank has no children)
                     groups["worker"] = workers
                 if server is not None:
-                    groups["server"] = tree(server.proc.pid)
-                    row["rss_after_mb"] = round(_rss_mb(server.proc.pid))
-                    row["rss_peak_mb"] = round(_rss_mb(server.proc.pid, "VmHWM"))
+                    groups["server"] = descendants(server.proc.pid)
+                    after = proc_status(server.proc.pid)
+                    row["rss_after_mb"] = round(after["VmRSS"] / 1024)
+                    row["rss_peak_mb"] = round(after["VmHWM"] / 1024)
                     # What the growth is: heap (the list, the plans), the slot rings (shm
                     # the server maps and writes count in its RSS), mapped files.
                     row["rss_growth_parts_mb"] = {
-                        k: round(_rss_mb(server.proc.pid, k) - parts_before[k])
-                        for k in _RSS_PARTS}
+                        k: round((after[k] - before[k]) / 1024) for k in _RSS_PARTS}
                 row["memory"] = memory_of(groups)
                 row["used_gib_held"] = round(_used_gib(), 2)
                 row["shmem_delta_mb"] = round((_meminfo()["Shmem"] - shmem_before) / _MB, 1)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from . import dataset
 from .adversary import Adversary, make_bad_files
-from .measure import write_report
+from .measure import proc_status, write_report
 from .trainer import TrainerProcess
 
 __all__ = ["main"]
@@ -70,17 +70,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance-mb", type=float, default=10.0)
     p.add_argument("--tolerance-pct", type=float, default=5.0)
     return p
-
-
-def _status(pid: int) -> dict[str, int]:
-    """VmRSS, VmHWM, RssAnon, RssShmem, RssFile (kB) and Threads from /proc/<pid>/status."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssShmem", "RssFile", "Threads"):
-                out[key] = int(value.split()[0])
-    return out
 
 
 def _fds(pid: int) -> int:
@@ -177,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
                 attacked = True
             time.sleep(max(0.0, next_at - time.monotonic()))
             now = time.monotonic()
-            status = _status(pid)
+            status = proc_status(pid)
             images = [t.images for t in trainers]
             sample = {
                 "t": now - started, "due": next_at - started,
@@ -190,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "images": dict(zip(transports, images)),
                 "images_per_second": {t: (n - m) / (now - last_t) for t, n, m
                                       in zip(transports, images, last_images)},
-                "trainer_rss_kb": {t.transport: _status(t.proc.pid)["VmRSS"]
+                "trainer_rss_kb": {t.transport: proc_status(t.proc.pid)["VmRSS"]
                                    for t in trainers if t.proc.poll() is None},
                 "load_average": _loadavg(),
             }
