@@ -339,10 +339,7 @@ def folder_labels(samples: SampleFiles, classes: list[str], storage: Storage
     for i, folder in enumerate(folders):
         label = number.get(folder)
         if label is None:
-            shown = ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else "")
-            raise FolderError(f"label_source: LABELS_FROM_FOLDER: samples[{i}] "
-                              f"({samples.names[i]!r}) is in folder {folder!r}, which is not "
-                              f"a class (classes: {shown})")
+            raise _not_a_class(i, samples.names[i], folder, classes)
         labels[i] = label
     return labels, list(classes)
 
@@ -364,12 +361,16 @@ def _tree_labels(samples: SampleFiles, tree: ListedTree, classes: list[str]
             continue
         label = number.get(folder)
         if label is None:
-            shown = ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else "")
-            raise FolderError(f"label_source: LABELS_FROM_FOLDER: samples[{start}] "
-                              f"({samples.names[start]!r}) is in folder {folder!r}, which is "
-                              f"not a class (classes: {shown})")
+            raise _not_a_class(start, samples.names[start], folder, classes)
         labels[start:stop] = label
     return labels, list(classes)
+
+
+def _not_a_class(index: int, name: object, folder: str, classes: list[str]) -> FolderError:
+    """The refusal of sample ``index`` (``name``), whose ``folder`` is none of ``classes``."""
+    shown = ", ".join(classes[:10]) + (", ..." if len(classes) > 10 else "")
+    return FolderError(f"label_source: LABELS_FROM_FOLDER: samples[{index}] ({name!r}) is in "
+                       f"folder {folder!r}, which is not a class (classes: {shown})")
 
 
 def _class_folders(samples: SampleFiles, storage: Storage) -> tuple[list[str], list[str]]:
