@@ -14,10 +14,8 @@ doc may name an issue by number.
 
 from __future__ import annotations
 
-import io
 import json
 import re
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,7 @@ import pytest
 
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
+from shards import write_shards
 
 REPO = Path(__file__).resolve().parent.parent
 # The pages whose python blocks run: what a user reads and pastes.
@@ -100,17 +99,7 @@ def docs_root(tmp_path_factory) -> Path:
         boxes.parent.mkdir(parents=True, exist_ok=True)
         boxes.write_text(f"2 3 {width - 4} {height - 5} 1\n0 0 10 10 2\n")
         image.with_suffix(".json").write_text(json.dumps({"id": i}))
-    # Tar shards, WebDataset's layout: NNN.jpg + NNN.cls.
-    (root / "shards").mkdir()
-    for s in range(2):
-        with tarfile.open(root / "shards" / f"train-{s:04d}.tar", "w") as tar:
-            for k in range(4):
-                key = f"{s * 4 + k:06d}"
-                for suffix, data in [(".jpg", encode_jpeg(synthetic_photo(rng, 64, 80))),
-                                     (".cls", str(k % 2).encode())]:
-                    info = tarfile.TarInfo(key + suffix)
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
+    write_shards(root / "shards", [4, 4])  # train-0000.tar, train-0001.tar: NNN.jpg + NNN.cls
     return root
 
 
