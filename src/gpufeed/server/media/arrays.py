@@ -11,6 +11,13 @@ are paged in once, straight into the batch copy, instead of being read into a
 temporary array first. ``.npz`` members are zip entries (possibly compressed)
 and are read whole.
 
+Every ``.npy`` header is parsed under one lock. numpy parses a header with
+``ast.literal_eval``, and CPython 3.11 keeps the AST builder's recursion count
+in one place for all threads: two decode threads parsing at once can fail a
+good file with "SystemError: AST constructor recursion depth mismatch"
+(CPython issue 106905, fixed in 3.12 and later). A header is a few hundred
+bytes, so the lock costs nothing measurable; the array data is read outside it.
+
 Sizes are checked before anything is allocated for them: a zip's (``.npz``,
 ``.pt``) members may declare at most ``max_bytes`` uncompressed in all
 (``--max-file-bytes``, the limit on a file on disk), and an ``.npz`` member's
@@ -27,6 +34,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import threading
 import zipfile
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -42,6 +50,7 @@ __all__ = ["ArraySpec", "array_layout", "check", "read_arrays"]
 _NEEDS_PICKLE = "object arrays need pickle, which gpufeed never loads"
 _HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0,
                    (2, 0): np.lib.format.read_array_header_2_0}
+_HEADER_LOCK = threading.Lock()  # see the module docstring: ast is not thread-safe in 3.11
 
 
 @dataclass(frozen=True)
@@ -76,11 +85,9 @@ def read_arrays(file: BinaryIO | str | os.PathLike, suffix: str,
         if suffix == ".npy":
             arrays = {"array": _read_npy(file)}
         elif suffix == ".npz":
-            _check_zip(file, max_bytes, npy_members=True)
-            with np.load(file, allow_pickle=False) as npz:
-                arrays = {key: npz[key] for key in npz.files}
+            arrays = _read_npz(file, max_bytes)
         elif suffix in (".pt", ".pth"):
-            _check_zip(file, max_bytes, npy_members=False)
+            _check_zip(file, max_bytes)
             arrays = _read_torch(file)
         else:
             raise DecodeError(f"unsupported array file {suffix!r}: use .npy, .npz or .pt")
@@ -127,44 +134,79 @@ def _numpy_reason(message: str, suffix: str) -> str:
     return f"not a valid {suffix} file: {message}"
 
 
-def _check_zip(file, max_bytes: int, *, npy_members: bool) -> None:
-    """Refuse a zip whose members declare more than ``max_bytes`` uncompressed, or (an
-    .npz) whose .npy headers declare more array than their members hold.
+def _check_zip(file, max_bytes: int) -> None:
+    """Refuse a zip whose members declare more than ``max_bytes`` uncompressed.
 
-    A file that is not a zip is left to numpy or torch to refuse (or, a .pt, to
-    load in torch's legacy format, no larger than its file).
+    A file that is not a zip is left to torch to refuse (or to load in its legacy
+    format, no larger than its file).
     """
     start = file.tell() if hasattr(file, "tell") else None
     try:
         if zipfile.is_zipfile(file):
-            _check_zip_members(file, max_bytes, npy_members)
+            with zipfile.ZipFile(file) as archive:
+                _check_total(archive, max_bytes)
     finally:
         if start is not None:
             file.seek(start)
 
 
-def _check_zip_members(file, max_bytes: int, npy_members: bool) -> None:
-    with zipfile.ZipFile(file) as archive:
-        members = archive.infolist()
-        total = sum(info.file_size for info in members)
-        if total > max_bytes:
-            raise OverLimit(f"its members declare {total} bytes uncompressed, over the limit "
-                            f"of {max_bytes} (gpufeed-server --max-file-bytes)")
-        for info in members if npy_members else ():
+def _check_total(archive: zipfile.ZipFile, max_bytes: int) -> None:
+    total = sum(info.file_size for info in archive.infolist())
+    if total > max_bytes:
+        raise OverLimit(f"its members declare {total} bytes uncompressed, over the limit "
+                        f"of {max_bytes} (gpufeed-server --max-file-bytes)")
+
+
+def _read_npz(file, max_bytes: int) -> dict[str, np.ndarray]:
+    """An .npz's arrays by member name (without ".npy"), as np.load names them.
+
+    Read here rather than by np.load so that each header is parsed under the
+    lock and checked against its member's size before the array is read.
+    """
+    with zipfile.ZipFile(file) as archive:  # not a zip: BadZipFile, a DecodeError above
+        _check_total(archive, max_bytes)
+        arrays = {}
+        for info in archive.infolist():
+            key = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
             with archive.open(info) as member:
-                declared = _npy_bytes(member)
-            if declared > info.file_size:
-                raise DecodeError(f"{info.filename!r} declares an array of {declared} bytes in "
-                                  f"a member of {info.file_size}")
+                arrays[key] = _read_npy_stream(member, info.file_size, info.filename)
+    return arrays
 
 
-def _npy_bytes(member) -> int:
-    """The bytes of array the .npy header at the start of ``member`` declares."""
-    read_header = _HEADER_READERS.get(np.lib.format.read_magic(member))
-    if read_header is None:
-        raise DecodeError("unsupported .npy format version")
-    shape, _, dtype = read_header(member)
-    return dtype.itemsize * math.prod(shape)
+def _read_header(stream) -> tuple[tuple[int, ...], bool, np.dtype] | None:
+    """Shape, Fortran order and dtype from the .npy header at ``stream``'s position,
+    or None (nothing read past the magic) for a format version numpy alone reads."""
+    with _HEADER_LOCK:
+        read_header = _HEADER_READERS.get(np.lib.format.read_magic(stream))
+        if read_header is None:
+            return None
+        shape, fortran_order, dtype = read_header(stream)
+    if dtype.hasobject:
+        raise DecodeError(_NEEDS_PICKLE)
+    return shape, fortran_order, dtype
+
+
+def _read_npy_stream(stream, size: int, member: str = "") -> np.ndarray:
+    """The .npy array in ``stream``'s next ``size`` bytes, read whole (not mapped).
+
+    Its header may not declare more array than ``size`` holds, so a lying
+    header cannot make us allocate for data that is not there. ``member`` names
+    the .npz member it is, for the message.
+    """
+    where = f"{member!r} " if member else ""
+    header = _read_header(stream)
+    if header is None:
+        raise DecodeError(f"{where}has an .npy format version gpufeed does not read")
+    shape, fortran_order, dtype = header
+    declared = dtype.itemsize * math.prod(shape)
+    if declared > size:
+        raise DecodeError(f"not a valid .npy file: {where}declares an array of {declared} "
+                          f"bytes in {size} bytes")
+    data = stream.read(declared)
+    if len(data) < declared:
+        raise DecodeError(f"not a valid .npy file: {where}holds {len(data)} of the "
+                          f"{declared} bytes its header declares")
+    return np.frombuffer(data, dtype).reshape(shape, order="F" if fortran_order else "C")
 
 
 def _read_npy(file) -> np.ndarray:
@@ -174,7 +216,10 @@ def _read_npy(file) -> np.ndarray:
     try:
         file.fileno()
     except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError (BytesIO)
-        return np.load(file, allow_pickle=False)
+        begin = file.tell()
+        size = file.seek(0, os.SEEK_END) - begin
+        file.seek(begin)
+        return _read_npy_stream(file, size)
     return _map_npy(file)
 
 
@@ -184,13 +229,12 @@ def _map_npy(f) -> np.ndarray:
     The mapping outlives ``f``: mmap keeps its own handle, so the caller may close it.
     """
     begin = f.tell()
-    read_header = _HEADER_READERS.get(np.lib.format.read_magic(f))
-    if read_header is None:  # a newer header version: let numpy parse it, unmapped
+    header = _read_header(f)
+    if header is None:  # a newer header version: numpy reads it, unmapped, under the lock
         f.seek(begin)
-        return np.load(f, allow_pickle=False)
-    shape, fortran_order, dtype = read_header(f)
-    if dtype.hasobject:
-        raise DecodeError(_NEEDS_PICKLE)
+        with _HEADER_LOCK:
+            return np.load(f, allow_pickle=False)
+    shape, fortran_order, dtype = header
     if math.prod(shape) == 0:  # nothing to map (mmap refuses zero bytes)
         return np.empty(shape, dtype)
     return np.memmap(f, dtype=dtype, mode="r", offset=f.tell(), shape=shape,
