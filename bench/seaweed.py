@@ -102,10 +102,12 @@ class SeaweedS3:
         raise RuntimeError(f"SeaweedFS did not become ready ({error!r}):\n{log}")
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL after a few seconds: `weed server` often takes 30 s to
+        shut down, and its data is a throwaway folder."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(3)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
