@@ -38,16 +38,15 @@ progress. ``state_dict()`` records the same position, in samples of the pass,
 with a fingerprint of the request (fingerprint.py) for a restarted trainer,
 which may run another number of ranks (resume.py: the epoch goes on over them).
 
-With several servers, the pass's batches are dealt out in turn: server p of P
-serves batches p, p + P, p + 2P, ... (the request's batch_stride and
-batch_offset), and the loader yields them in the pass's order. The order is
-therefore the same whatever the number of servers, and a position saved with
-one resumes with another. When a server goes away, its part moves to the next
-server at its own position: nothing is lost or repeated. Taking batches in
-turn means the slowest server sets the pace. The servers are asked again
-(discovery.py: a DNS name stands for every address behind it) at each pass
-from an epoch's start, which is then dealt over the servers up at that time,
-and when a server is lost, so that one that appeared can take a lost part.
+With several servers, each is handed the pass's next batches as its stream
+has room (dealing.py), so each makes batches at its own pace, and the loader
+yields them in the pass's order. The order is therefore the same whatever the
+number of servers, and a position saved with one resumes with another. When a
+server goes away, the batches it had been handed go to the others: nothing is
+lost or repeated. The servers are asked again (discovery.py: a DNS name stands
+for every address behind it) at each pass from an epoch's start, which is then
+dealt over the servers up at that time, and when a server is lost, so that one
+that appeared can join the pass.
 """
 
 from __future__ import annotations
@@ -63,8 +62,9 @@ import torch
 from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import UNREAD, transport_name
 
+from .dealing import DealtPass
 from .discovery import Servers
-from .errors import FeedError
+from .errors import FeedError, as_raised, status_of
 from .failures import SampleFailure
 from .fingerprint import check_fingerprint, request_fingerprint
 from .resume import Position
@@ -77,21 +77,19 @@ _MAX_BACKOFF = 2.0
 _MIXING = 0x6D6978  # batch_rng's stream: apart from any per-sample generator's
 
 
-class _Part:
-    """One server's share of the pass (every P-th batch), and how far it has got."""
+class _Progress:
+    """How far the loader has got in its epoch, and where a one-server pass reads from."""
 
-    def __init__(self, number: int, server: str):
-        self.number = number  # part k of n: the pass's batches k, k + n, ... (the server's rule)
-        self.server = server  # the address serving it now; moves on when that one goes away
-        self.consumed = 0  # batches of this part already yielded this epoch
-        # A position in the whole pass (load_state_dict) not yet opened: the server
-        # says where it falls in this part (the header's start_batch).
+    def __init__(self, server: str):
+        self.server = server  # a one-server pass's server; moves on when that one goes away
+        self.consumed = 0  # batches of the epoch already yielded
+        # A position in the pass (load_state_dict) not yet opened: a stream starts there.
         self.pass_start: int | None = None
-        self.total: int | None = None  # batches of this part in a pass (None: a shared job's)
+        self.total: int | None = None  # batches in the pass (None: a shared job's, or not known)
 
 
 class _Outage:
-    """Reconnect bookkeeping of one part: since when, and how long to wait next."""
+    """Reconnect bookkeeping of a one-server pass: since when, and how long to wait next."""
 
     def __init__(self):
         self.since: float | None = None
@@ -122,22 +120,24 @@ class Loader:
     Made by ``FeedClient.loader`` with its ``Servers`` (discovery.py) and the
     checked request. Each ``iter(loader)`` is one pass: from the loader's
     position to its epoch's end (the module docstring). The loader keeps the
-    pass's position (batches yielded, per server part), interleaves the parts
-    in the pass's order, and moves a part to another server, at its position,
-    when its stream breaks with UNAVAILABLE. What a stream is on the wire
-    (open, attach, release, each transport's tensors) is stream.py's.
+    pass's position (batches yielded); over one server it reads that server's
+    stream, and moves to another server, at its position, when the stream
+    breaks with UNAVAILABLE; over several it deals the batches (dealing.py).
+    What a stream is on the wire (open, attach, release, each transport's
+    tensors) is stream.py's.
     Not thread-safe: one trainer thread iterates it.
     """
 
     def __init__(self, servers: Servers, request: feed_pb2.StreamRequest, *, copy: bool,
                  reconnect_timeout: float):
-        self._opened: dict[int, OpenStream] = {}  # opened ahead for the chosen pass, by part
+        self._opened: dict[str, OpenStream] = {}  # opened ahead for the chosen pass, by server
         self._servers = servers
         self._request = request
         self._copy = copy
         self._reconnect_timeout = reconnect_timeout
         self._fingerprint = request_fingerprint(request)
-        self._parts = self._new_parts()
+        self._addresses = self._servers_up()  # the servers of the chosen pass
+        self._progress = _Progress(self._addresses[0])
         self._world_size = request.world_size or 1
         # The epoch's earlier phases when it was resumed at another world size (resume.py).
         self._phases: tuple[tuple[int, int], ...] = ()
@@ -154,15 +154,33 @@ class Loader:
         self._open_ahead()
 
     def _open_ahead(self) -> None:
-        """Open every part's stream for the next pass now (a refused request fails here;
-        the headers say how many batches a pass has)."""
+        """Open the next pass's streams now (a refused request fails here; the header
+        says how many batches a pass has): its server's, or every server's when it
+        is dealt. A server of a dealt pass that is down is left out of it."""
         try:
-            for part in self._parts:
-                if part.number not in self._opened:
-                    self._opened[part.number] = self._open_retrying(part)
+            if not self._dealt():
+                if not self._opened:
+                    self._opened[self._progress.server] = self._open_retrying()
+                return
+            for address in self._addresses:
+                if address not in self._opened:
+                    try:
+                        self._opened[address] = self._open(address, _Outage())
+                    except (grpc.RpcError, FeedError) as e:
+                        self._pass_over(address, e)
+            if not self._opened:  # none up: wait for one as a one-server pass would
+                self._opened[self._progress.server] = self._open_retrying()
         except BaseException:
             self._close_opened()
             raise
+
+    def _dealt(self) -> bool:
+        """Whether the pass is dealt over several servers (a shared job never is: its
+        server deals it to its consumers)."""
+        return len(self._addresses) > 1 and not self._request.job
+
+    def _servers_up(self) -> list[str]:
+        return [server.address for server in self._servers.current()]
 
     def close(self) -> None:
         """End the streams opened ahead for a pass that has not started (a pass's own
@@ -189,14 +207,9 @@ class Loader:
         """Batches in a pass of this rank (a shared job's depend on its consumers)."""
         if self._request.job:
             raise TypeError("a shared job's loader has no length: its consumers share the batches")
-        if self._pass_total() is None and self._pass is None:
-            self._open_ahead()  # the servers changed since a stream last said: ask them
-        return self._pass_total() or 0
-
-    def _pass_total(self) -> int | None:
-        """Batches in a pass over every part; None for a shared job's (not known)."""
-        totals = [part.total for part in self._parts]
-        return None if None in totals else sum(t for t in totals if t is not None)
+        if self._progress.total is None and self._pass is None:
+            self._open_ahead()  # resumed since a stream last said: ask
+        return self._progress.total or 0
 
     def batch_rng(self) -> np.random.Generator:
         """A generator for the batch last yielded, seeded by (seed, epoch, rank, its place in
@@ -224,20 +237,19 @@ class Loader:
         return self._where().state(self.batch_size, self._fingerprint)
 
     def _where(self) -> Position:
-        pending = [part.pass_start for part in self._parts if part.pass_start is not None]
-        if pending:
-            return Position(self._request.epoch, pending[0], self._world_size, self._phases)
+        progress = self._progress
+        if progress.pass_start is not None:
+            return Position(self._request.epoch, progress.pass_start, self._world_size,
+                            self._phases)
         if self._at_end():
             return Position(self._request.epoch + 1, 0, self._world_size)
-        return Position(self._request.epoch, sum(part.consumed for part in self._parts),
-                        self._world_size, self._phases)
+        return Position(self._request.epoch, progress.consumed, self._world_size, self._phases)
 
     def _at_end(self) -> bool:
         """Every batch of the epoch has been taken (the pass may not have noticed yet)."""
-        if any(part.pass_start is not None for part in self._parts):
-            return False
-        total = self._pass_total()
-        return total is not None and sum(part.consumed for part in self._parts) >= total
+        progress = self._progress
+        return (progress.pass_start is None and progress.total is not None
+                and progress.consumed >= progress.total)
 
     def load_state_dict(self, state: dict) -> None:
         """Make the next pass go on where ``state`` was saved, at any world size (resume.py);
@@ -249,41 +261,28 @@ class Loader:
         position = Position.from_state(state, self.batch_size).at(self._world_size)
         self._begin(position.epoch)
         self._phases = position.resumed_from
-        for part in self._parts:  # which of its batches that is, each part's server says
-            part.pass_start = position.batches
-            part.total = None  # and how many it has (a resumed phase has its own count)
+        self._progress.pass_start = position.batches
+        self._progress.total = None  # the header says (a resumed phase has its own count)
 
     def _begin(self, epoch: int) -> None:
         """Make the next pass ``epoch`` from its start; a pass in progress is over."""
         self._close_opened()
         self._request.epoch = epoch
         self._phases = ()
-        for part in self._parts:
-            part.consumed, part.pass_start = 0, None
+        self._progress.consumed, self._progress.pass_start = 0, None
         self._chosen = True
         self._pass = None
 
     def _deal_over_servers_up(self) -> None:
         """A pass that starts at an epoch's start, or at a saved position, is dealt over
         the servers up now (asked again); one that continues a pass left early keeps
-        its parts, as do streams already opened for it."""
-        start = next((part.pass_start for part in self._parts if part.pass_start is not None),
-                     None)
-        if self._opened or not (start is not None or all(p.consumed == 0 for p in self._parts)):
+        its servers, as do streams already opened for it."""
+        progress = self._progress
+        if self._opened or (progress.pass_start is None and progress.consumed):
             return
-        self._parts = self._new_parts()
-        for part in self._parts:
-            part.pass_start = start
-
-    def _new_parts(self) -> list[_Part]:
-        """One part per server up now (discovery.py asks DNS names again), at the start;
-        each keeps the batch count its number had, when the number of parts is the same."""
-        parts = [_Part(i, server.address) for i, server in enumerate(self._servers.current())]
-        old = getattr(self, "_parts", [])
-        if len(old) == len(parts):
-            for part, before in zip(parts, old):
-                part.total = before.total
-        return parts
+        self._addresses = self._servers_up()
+        if progress.server not in self._addresses:
+            progress.server = self._addresses[0]
 
     def _close_opened(self) -> None:
         for stream in self._opened.values():
@@ -300,68 +299,85 @@ class Loader:
         self._deal_over_servers_up()
         self._pass, self._chosen = this, False
         self.failures = []
-        streams: dict[int, Generator[dict[str, torch.Tensor], None, None]] = {}
+        batches: Generator[dict[str, torch.Tensor], None, None] | None = None
         try:
-            # Every part's stream now: a resumed part's server says where it is in its
-            # part, and every header says how many batches its part has (len(loader)).
-            self._open_ahead()
-            streams = {part.number: self._part_batches(part) for part in self._parts}
-            while streams:
+            self._open_ahead()  # the header says how many batches the pass has (len(loader))
+            batches = self._dealt_batches() if self._dealt() else self._server_batches()
+            while True:
                 if self._pass is not this:
                     raise RuntimeError("this pass over the loader is over: a newer pass, "
                                        "set_epoch or load_state_dict has moved the loader on; "
                                        "iterate the loader again")
-                # In turn: the part that has yielded least goes next (ties: lowest number),
-                # which is the pass's order, also when a resumed pass continues.
-                part = min((self._parts[i] for i in streams), key=lambda p: (p.consumed, p.number))
-                batch = next(streams[part.number], None)
+                batch = next(batches, None)
                 if batch is None:
-                    del streams[part.number]
-                else:
-                    self._position = (self._request.epoch,
-                                      sum(p.consumed for p in self._parts) - 1)
-                    yield batch
+                    break
+                self._position = (self._request.epoch, self._progress.consumed - 1)
+                yield batch
             self._begin(self._request.epoch + 1)  # the epoch is over: the next pass is the next
         finally:
-            for batches in streams.values():
+            if batches is not None:
                 batches.close()
             if self._pass is this:
                 self._pass = None
 
-    def _part_batches(self, part: _Part) -> Generator[dict[str, torch.Tensor], None, None]:
-        """The part's batches to the end of the epoch, across reconnects and failovers."""
+    def _server_batches(self) -> Generator[dict[str, torch.Tensor], None, None]:
+        """A one-server pass's batches to the end of the epoch, across reconnects and
+        failovers."""
+        progress = self._progress
         outage = _Outage()
         while True:
-            stream = self._opened.pop(part.number, None)
+            stream = self._opened.pop(progress.server, None)
             try:
-                stream = stream or self._open(part, outage)
+                stream = stream or self._open(progress.server, outage)
                 for seq, failures, tensors in stream.batches():
                     self._note_failures(failures)
-                    part.consumed = seq + 1
+                    progress.consumed = seq + 1
                     outage = _Outage()
                     if tensors is not None:  # None: every sample failed, nothing to train on
                         yield tensors
-                if part.total is not None and part.consumed < part.total:
+                if progress.total is not None and progress.consumed < progress.total:
                     raise FeedError(grpc.StatusCode.UNAVAILABLE,
-                                    f"the stream ended at batch {part.consumed} of {part.total}")
+                                    f"the stream ended at batch {progress.consumed} of "
+                                    f"{progress.total}")
                 return
             except (grpc.RpcError, FeedError) as e:
-                self._recover(part, e, outage)
+                self._recover(e, outage)
             finally:
                 if stream is not None:
                     stream.close()
 
-    def _open_retrying(self, part: _Part) -> OpenStream:
+    def _dealt_batches(self) -> Generator[dict[str, torch.Tensor], None, None]:
+        """A dealt pass's batches to the end of the epoch (dealing.py)."""
+        progress = self._progress
+        streams, self._opened = self._opened, {}
+        assert progress.total is not None, "a dealt pass's streams said its batches"
+        dealt = DealtPass(streams, progress.consumed, progress.total,
+                          reopen=lambda address: self._open(address, _Outage()),
+                          servers_up=self._servers_up,
+                          reconnect_timeout=self._reconnect_timeout)
+        try:
+            for failures, tensors in dealt:
+                self._note_failures(failures)
+                progress.consumed += 1
+                if tensors is not None:
+                    yield tensors
+        finally:
+            dealt.close()
+
+    def _open_retrying(self) -> OpenStream:
+        """A one-server pass's stream, from its server or the next one up, across outages."""
         outage = _Outage()
         while True:
             try:
-                return self._open(part, outage)
+                return self._open(self._progress.server, outage)
             except (grpc.RpcError, FeedError) as e:
-                self._recover(part, e, outage)
+                self._recover(e, outage)
 
-    def _open(self, part: _Part, outage: _Outage) -> OpenStream:
-        """A stream of ``part`` from its position, on its server; the header's facts noted."""
-        server = self._servers.connection(part.server)
+    def _open(self, address: str, outage: _Outage) -> OpenStream:
+        """A stream of the pass from its position on ``address`` (dealt: from wherever it
+        is handed); the header's facts noted."""
+        server = self._servers.connection(address)
+        progress = self._progress
         request = feed_pb2.StreamRequest()
         request.CopyFrom(self._request)
         auto = request.transport == feed_pb2.TRANSPORT_AUTO
@@ -371,16 +387,13 @@ class Loader:
             server.info()
         elif outage.since is not None:  # a server that accepts TCP but never answers
             server.wait_ready(outage.since + self._reconnect_timeout - time.monotonic())
-        if len(self._parts) > 1:  # part k of n: the server deals the pass's batches
-            request.batch_stride, request.batch_offset = len(self._parts), part.number
         for size, batches in self._phases:  # an epoch resumed at another world size
             request.resumed_from.add(world_size=size, batches=batches)
-        if part.pass_start is None:
-            request.start_batch = part.consumed
-        elif len(self._parts) == 1:  # the part is the pass (and older servers know start_batch)
-            request.start_batch = part.pass_start
-        else:  # where the pass's position falls in part k of n is the server's to say
-            request.pass_start_batch = part.pass_start
+        start = progress.consumed if progress.pass_start is None else progress.pass_start
+        if self._dealt():
+            request.dealt = True  # the client hands it the batches, from ``start`` on
+        else:
+            request.start_batch = start
         stream = open_stream(server, request, self._copy, auto)
         header = stream.header
         if header.resumed_phases != len(self._phases):
@@ -391,52 +404,59 @@ class Loader:
                             f"world size (a server older than resumed_from ignores them and "
                             f"would repeat samples): upgrade it, or resume at world_size "
                             f"{self._phases[-1][0] if self._phases else self._world_size}")
-        if part.pass_start is not None:
-            part.consumed = header.start_batch if request.pass_start_batch else request.start_batch
-            part.pass_start = None
+        if request.dealt and not header.dealt:
+            stream.close()
+            raise FeedError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"{server.address} does not know `dealt` (a server older than "
+                            f"dealing by pace would ignore the batches handed to it): upgrade "
+                            f"it, or give the loader one server")
+        progress.consumed, progress.pass_start = start, None
         self.classes = list(header.classes)
         self.transport = transport_name(header.transport)
-        part.total = None if request.job else part.consumed + header.num_batches
+        progress.total = None if request.job else header.start_batch + header.num_batches
         return stream
 
-    def _recover(self, part: _Part, error: grpc.RpcError | FeedError, outage: _Outage) -> None:
-        """Move ``part`` to the next server after an outage, waiting between rounds;
-        raise ``error`` as a FeedError if it is not an outage, or has lasted too long."""
-        server = self._servers.connection(part.server)
-        code, details = _status(error)
+    def _pass_over(self, address: str, error: grpc.RpcError | FeedError) -> None:
+        """Leave ``address`` out of a dealt pass after an outage (the others make its
+        batches); raise ``error`` as a FeedError if it is not one."""
+        server = self._servers.connection(address)
+        code, details = status_of(error)
+        never = not server.answered and not self._servers.found_later(address)
+        if code != grpc.StatusCode.UNAVAILABLE or self._reconnect_timeout <= 0 or never:
+            raise as_raised(error, address) from None
+        _log.warning("%s is not serving (%s); the pass is dealt over the others", address,
+                     details)
+
+    def _recover(self, error: grpc.RpcError | FeedError, outage: _Outage) -> None:
+        """Move a one-server pass to the next server up after an outage, waiting between
+        rounds; raise ``error`` as a FeedError if it is not an outage, or has lasted too
+        long."""
+        progress = self._progress
+        server = self._servers.connection(progress.server)
+        code, details = status_of(error)
         # A server the caller named that never answered is a wrong address: fail now. One
         # a DNS name listed may have gone since: pass over it, as over any lost server.
-        never = not server.answered and not self._servers.found_later(part.server)
+        never = not server.answered and not self._servers.found_later(progress.server)
         if code != grpc.StatusCode.UNAVAILABLE or self._reconnect_timeout <= 0 or never:
-            raise error if isinstance(error, FeedError) else FeedError.from_rpc(
-                error, server.address) from None
+            raise as_raised(error, server.address) from None
         now = time.monotonic()
         outage.since = outage.since or now
         if now - outage.since >= self._reconnect_timeout:
             raise FeedError(grpc.StatusCode.UNAVAILABLE,
                             f"gave up after {self._reconnect_timeout:g} s without a batch "
                             f"from {server.address}: {details}") from None
-        up = [s.address for s in self._servers.current()]  # asked once: one may have appeared
-        part.server = self._next_server(part, up)
+        up = self._servers_up()  # asked once: one may have appeared
+        at = up.index(progress.server) if progress.server in up else -1
+        progress.server = up[(at + 1) % len(up)]
         # A stream opened ahead that the trainer left unread past the server's lease
         # timeout (an evaluation loader while the trainer trains) is routine: quiet.
         level = logging.INFO if UNREAD in details else logging.WARNING
         _log.log(level, "stream from %s interrupted (%s); resuming at batch %d on %s",
-                 server.address, details, part.consumed, part.server)
+                 server.address, details, progress.consumed, progress.server)
         outage.tried += 1
         if outage.tried >= len(up):  # every server tried: wait before the next round
             time.sleep(outage.backoff)
             outage.backoff, outage.tried = min(2 * outage.backoff, _MAX_BACKOFF), 0
-
-    def _next_server(self, part: _Part, up: list[str]) -> str:
-        """Where a part goes when its server is lost: a server ``up`` now that serves no
-        other part of the pass (one that just appeared), else the next one in order."""
-        busy = {other.server for other in self._parts if other is not part}
-        idle = [address for address in up if address not in busy and address != part.server]
-        if idle:
-            return idle[0]
-        at = up.index(part.server) if part.server in up else -1
-        return up[(at + 1) % len(up)]
 
     def _note_failures(self, failures) -> None:
         for failure in map(SampleFailure.from_wire, failures):
@@ -444,8 +464,3 @@ class Loader:
             _log.warning("sample %d skipped (%s): %s", failure.index, failure.category,
                          failure.reason)
 
-
-def _status(error: grpc.RpcError | FeedError) -> tuple[grpc.StatusCode, str]:
-    if isinstance(error, FeedError):
-        return error.code, str(error)
-    return error.code(), error.details() or ""

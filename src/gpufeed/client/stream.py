@@ -105,6 +105,11 @@ class OpenStream:
                 seqs=[batch.seq] if given_back else [], wait_seconds=waited)))
             yield batch.seq, batch.failures, tensors
 
+    def deal(self, batches: list[int], last: bool = False) -> None:
+        """Hand a ``dealt`` stream the pass's batches ``batches`` to make next (from any
+        thread); ``last``: no more will come, so the stream ends after them."""
+        self._outbox.put(feed_pb2.ClientMessage(deal=feed_pb2.Deal(batches=batches, last=last)))
+
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()

@@ -95,17 +95,19 @@ class ShmProbe(_message.Message):
     def __init__(self, name: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class ClientMessage(_message.Message):
-    __slots__ = ("open", "attached", "release")
+    __slots__ = ("open", "attached", "release", "deal")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    DEAL_FIELD_NUMBER: _ClassVar[int]
     open: StreamRequest
     attached: Attached
     release: Release
-    def __init__(self, open: _Optional[_Union[StreamRequest, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+    deal: Deal
+    def __init__(self, open: _Optional[_Union[StreamRequest, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., deal: _Optional[_Union[Deal, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job", "label_source", "clip", "classes", "fields", "sample_transforms", "batch_stride", "batch_offset", "pass_start_batch", "resumed_from", "names", "compression")
+    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job", "label_source", "clip", "classes", "fields", "sample_transforms", "batch_stride", "batch_offset", "dealt", "pass_start_batch", "resumed_from", "names", "compression")
     FILES_FIELD_NUMBER: _ClassVar[int]
     LIST_FILE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +133,7 @@ class StreamRequest(_message.Message):
     SAMPLE_TRANSFORMS_FIELD_NUMBER: _ClassVar[int]
     BATCH_STRIDE_FIELD_NUMBER: _ClassVar[int]
     BATCH_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DEALT_FIELD_NUMBER: _ClassVar[int]
     PASS_START_BATCH_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
@@ -160,11 +163,12 @@ class StreamRequest(_message.Message):
     sample_transforms: _containers.RepeatedCompositeFieldContainer[SampleTransform]
     batch_stride: int
     batch_offset: int
+    dealt: bool
     pass_start_batch: int
     resumed_from: _containers.RepeatedCompositeFieldContainer[ResumedPhase]
     names: bool
     compression: str
-    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ..., label_source: _Optional[_Union[LabelSource, str]] = ..., clip: _Optional[_Union[ClipSpec, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., sample_transforms: _Optional[_Iterable[_Union[SampleTransform, _Mapping]]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., pass_start_batch: _Optional[int] = ..., resumed_from: _Optional[_Iterable[_Union[ResumedPhase, _Mapping]]] = ..., names: _Optional[bool] = ..., compression: _Optional[str] = ...) -> None: ...
+    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ..., label_source: _Optional[_Union[LabelSource, str]] = ..., clip: _Optional[_Union[ClipSpec, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., sample_transforms: _Optional[_Iterable[_Union[SampleTransform, _Mapping]]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., dealt: _Optional[bool] = ..., pass_start_batch: _Optional[int] = ..., resumed_from: _Optional[_Iterable[_Union[ResumedPhase, _Mapping]]] = ..., names: _Optional[bool] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class ResumedPhase(_message.Message):
     __slots__ = ("world_size", "batches")
@@ -246,6 +250,14 @@ class Attached(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Deal(_message.Message):
+    __slots__ = ("batches", "last")
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedScalarFieldContainer[int]
+    last: bool
+    def __init__(self, batches: _Optional[_Iterable[int]] = ..., last: _Optional[bool] = ...) -> None: ...
+
 class Release(_message.Message):
     __slots__ = ("seqs", "wait_seconds")
     SEQS_FIELD_NUMBER: _ClassVar[int]
@@ -263,7 +275,7 @@ class ServerMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("transport", "shm_name", "num_slots", "slot_bytes", "num_samples", "num_batches", "cuda_ipc", "classes", "start_batch", "resumed_phases")
+    __slots__ = ("transport", "shm_name", "num_slots", "slot_bytes", "num_samples", "num_batches", "cuda_ipc", "classes", "start_batch", "resumed_phases", "dealt")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +286,7 @@ class StreamHeader(_message.Message):
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     START_BATCH_FIELD_NUMBER: _ClassVar[int]
     RESUMED_PHASES_FIELD_NUMBER: _ClassVar[int]
+    DEALT_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     shm_name: str
     num_slots: int
@@ -284,7 +297,8 @@ class StreamHeader(_message.Message):
     classes: _containers.RepeatedScalarFieldContainer[str]
     start_batch: int
     resumed_phases: int
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., shm_name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_batches: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., start_batch: _Optional[int] = ..., resumed_phases: _Optional[int] = ...) -> None: ...
+    dealt: bool
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., shm_name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_batches: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., start_batch: _Optional[int] = ..., resumed_phases: _Optional[int] = ..., dealt: _Optional[bool] = ...) -> None: ...
 
 class CudaIpc(_message.Message):
     __slots__ = ("gpu_uuid", "storage_handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "slot_events")

@@ -57,7 +57,7 @@ from ..planning.lists import IDLE_SECONDS, SharedLists
 from ..planning.plan import StreamPlan, plan_stream
 from ..planning.thread import Planning, PlanStopped
 from ..running.pool import DecodePool
-from ..running.sources import JobRegistry, SharedJob
+from ..running.sources import DealtBatches, JobRegistry, SharedJob
 from ..running.stream import SlotBatch, Stream
 from .watchdog import Watchdog, end_call
 from .wire import InlineBatch
@@ -255,7 +255,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
 
     def _serve(self, plan: StreamPlan, job: SharedJob | None, memory: SlotMemory,
                request_iterator, context):
-        stream = Stream(plan, self._storage, self._pool, memory, self._metrics, source=job)
+        source = DealtBatches(len(plan.batches), plan.num_slots) if plan.dealt else job
+        stream = Stream(plan, self._storage, self._pool, memory, self._metrics, source=source)
         reader = threading.Thread(target=_read_client, name="gpufeed-client-reader",
                                   args=(request_iterator, stream), daemon=True)
         with self._lock:
@@ -286,6 +287,7 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 classes=plan.classes,
                 start_batch=0 if job else plan.start_batch,
                 resumed_phases=plan.resumed,
+                dealt=plan.dealt,
             )
             header.MergeFrom(memory.header())  # where the memory is: its own fields
             yield feed_pb2.ServerMessage(header=header)
@@ -362,6 +364,12 @@ def _read_client(request_iterator, stream: Stream) -> None:
                     return
             elif kind == "attached":
                 stream.attach()
+            elif kind == "deal":
+                try:
+                    stream.deal(list(message.deal.batches), message.deal.last)
+                except ValueError as e:
+                    stream.cancel(BadClientMessage(str(e)))
+                    return
             elif kind == "open":
                 stream.cancel(BadClientMessage("open: a stream takes one `open` message, its "
                                                "first; this one sent another"))

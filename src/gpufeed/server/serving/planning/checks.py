@@ -133,6 +133,20 @@ def resumed_from(req: feed_pb2.StreamRequest, world_size: int, shards: ShardSet 
     return [(phase.world_size, phase.batches) for phase in phases]
 
 
+def dealt(req: feed_pb2.StreamRequest) -> bool:
+    """Whether the client deals the stream's batches (Deal messages), refusing the fields
+    that pick a stream's batches otherwise: they do not apply to a dealt stream."""
+    if not req.dealt:
+        return False
+    for name, given in (("job", req.job), ("batch_stride", req.batch_stride > 1),
+                        ("batch_offset", req.batch_offset), ("start_batch", req.start_batch),
+                        ("pass_start_batch", req.pass_start_batch)):
+        if given:
+            raise InvalidRequest(f"{name}: a dealt stream makes the batches its client hands "
+                                 f"it, so {name} does not apply; leave it unset")
+    return True
+
+
 def served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:
     """The pass's batches this stream serves: every ``batch_stride``-th from ``batch_offset``."""
     stride = req.batch_stride or 1

@@ -79,6 +79,8 @@ class StreamPlan:
     names: BatchNames | None = None
     # The request's resumed_from phases this plan's order applies (order.py): all of them.
     resumed: int = 0
+    # The client hands the stream its batches (Deal messages; running/sources.py).
+    dealt: bool = False
     # JPEG rows are read by the decode threads and decoded a batch at a time at the
     # batch's end (--decoder nvimgcodec: media/batch_jpeg.py).
     defers: bool = False
@@ -211,6 +213,7 @@ def _plan(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
                              f"each rank reads whole shards")
     order, resumed = _order(req, world_size, shards, len(names))
     whole = split_batches(order, req.batch_size, req.drop_last)
+    dealt = checks.dealt(req)
     batches = checks.served_batches(req, whole)
     assert paths is not None  # the shards' reader made them above
     plan = StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,
@@ -222,7 +225,7 @@ def _plan(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
                       max_failures=checks.failure_budget(req, batches.samples_from(0), limits),
                       lease_timeout=limits.lease_timeout, compression=compression,
                       compress=compress, fields=fields, sample_transforms=sample_transforms,
-                      names=batch_names, resumed=resumed,
+                      names=batch_names, resumed=resumed, dealt=dealt,
                       defers=batch_decode and type(reader) is ImageRows and fields is None
                       and sample_transforms is None, held=held)
     if isinstance(reader, ShardRows):  # S3 chunks run over the samples the stream reads

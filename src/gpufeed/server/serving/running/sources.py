@@ -1,12 +1,15 @@
-"""Where a stream's batches come from: its own pass, or a pass shared by a job.
+"""Where a stream's batches come from: its own pass, the client's hand, or a job.
 
 A stream asks its source (a ``BatchSource``) for the next batch of the pass
-(``claim``) whenever it has a free slot. ``OwnBatches`` is a stream's private pass, from its resume
-position on, in order. ``SharedJob`` is one pass shared by every stream that
-names the same job and epoch (tf.data service's dynamic sharding): each batch
-goes to whichever consumer has a free slot first, so a slow consumer receives
-fewer batches instead of stalling the others, and the union over consumers is
-every batch once.
+(``claim``) whenever it has a free slot. ``OwnBatches`` is a stream's private
+pass, from its resume position on, in order. ``DealtBatches`` are the batches
+the client hands the stream (a loader over several servers hands each the
+next batch as its stream has room, so each server works at its own pace).
+``SharedJob`` is one pass shared by every stream that names the same job and
+epoch (tf.data service's dynamic sharding): each batch goes to whichever
+consumer has a free slot first, so a slow consumer receives fewer batches
+instead of stalling the others, and the union over consumers is every batch
+once.
 
 What a shared job keeps and loses: the content of batch k is still a pure
 function of the request (seed, epoch), but which consumer receives it, and in
@@ -41,7 +44,7 @@ from gpufeed.v1 import feed_pb2
 from ..errors import InvalidRequest
 from ..planning.plan import StreamPlan
 
-__all__ = ["BatchSource", "JobRegistry", "OwnBatches", "SharedJob"]
+__all__ = ["BatchSource", "DealtBatches", "JobRegistry", "OwnBatches", "SharedJob"]
 
 # Jobs without a consumer kept at most; and for at most this long: the next
 # consumer to name a forgotten job starts a new pass.
@@ -68,9 +71,15 @@ class BatchSource(Protocol):
 
     def finished(self) -> bool: ...
 
+    waits_for_client: bool
+    """Whether a stream with a free slot and nothing to claim waits on its client
+    (which then has the lease timeout to act) rather than on other consumers."""
+
 
 class OwnBatches(BatchSource):
     """A stream's private pass: batches start_batch.. in order."""
+
+    waits_for_client = False
 
     def __init__(self, plan: StreamPlan):
         self._next = plan.start_batch
@@ -92,8 +101,59 @@ class OwnBatches(BatchSource):
         return self._next >= self._end
 
 
+class DealtBatches(BatchSource):
+    """The batches the client hands the stream (Deal messages), in the order handed.
+
+    At most ``room`` may wait unstarted (a client hands a batch when one it
+    handed has arrived, so its stream's slots bound them): a client that hands
+    more, or a batch outside the pass, or any after saying it was done, is
+    refused with ValueError naming what it did. Thread-safe: the client-reader
+    thread deals, the stream's threads claim.
+    """
+
+    waits_for_client = True
+
+    def __init__(self, num_batches: int, room: int):
+        self._num_batches = num_batches
+        self._room = room
+        self._lock = threading.Lock()
+        self._handed: deque[int] = deque()
+        self._last = False
+
+    def deal(self, numbers, last: bool) -> None:
+        with self._lock:
+            if self._last:
+                raise ValueError("deal: a Deal came after one that said `last`")
+            bad = next((n for n in numbers if not 0 <= n < self._num_batches), None)
+            if bad is not None:
+                raise ValueError(f"deal.batches: {bad} is not a batch of the pass "
+                                 f"(0..{self._num_batches - 1})")
+            if len(self._handed) + len(numbers) > self._room:
+                raise ValueError(f"deal.batches: {len(self._handed) + len(numbers)} batches "
+                                 f"handed and not started, over the stream's {self._room} "
+                                 f"slots; hand one when one has arrived")
+            self._handed.extend(numbers)
+            self._last = last
+
+    def claim(self) -> int | None:
+        with self._lock:
+            return self._handed.popleft() if self._handed else None
+
+    def sent(self, number: int) -> None:
+        pass
+
+    def give_back(self, numbers: list[int]) -> None:
+        pass  # the client hands a lost stream's batches to another itself
+
+    def finished(self) -> bool:
+        with self._lock:
+            return self._last and not self._handed
+
+
 class SharedJob(BatchSource):
     """One pass over a job's batches, shared by its consumers. Thread-safe."""
+
+    waits_for_client = False
 
     def __init__(self, name: str, num_batches: int, fingerprint: str):
         self.name = name

@@ -45,7 +45,7 @@ from ..failures import sample_failure
 from ..planning.order import samples_at
 from ..planning.plan import StreamPlan
 from .pool import DecodePool
-from .sources import BatchSource, OwnBatches
+from .sources import BatchSource, DealtBatches, OwnBatches
 
 __all__ = ["SlotBatch", "Stream", "StreamState"]
 
@@ -296,7 +296,7 @@ class Stream:
         # Apart from the state: a client may attach after the stream was cancelled.
         self._attached = False
         self._ending: StreamEnded = ClientGone()
-        self._last_release = time.monotonic()
+        self._last_heard = time.monotonic()  # a Release or a Deal
         self._read_any = False  # a Release came: the client reads the stream's batches
         self._pool = pool
         self._batches: dict[int, SlotBatch] = {}
@@ -325,8 +325,18 @@ class Stream:
                 self.ring.release(seq)
                 self._batches.pop(seq).arrays = {}  # sent and returned: nothing reads it
             if seqs:
-                self._last_release = time.monotonic()
+                self._last_heard = time.monotonic()
             self._start_ready()
+
+    def deal(self, numbers, last: bool) -> None:
+        """The client hands this (dealt) stream the pass's batches ``numbers``; ``last``:
+        no more will come. Raises ValueError for a deal the stream refuses."""
+        if not isinstance(self.source, DealtBatches):
+            raise ValueError("deal: this stream was not opened with `dealt`")
+        self.source.deal(numbers, last)
+        with self.cond:
+            self._last_heard = time.monotonic()
+        self.wake()
 
     def wake(self) -> None:
         """The source may have batches again, or be finished (a shared job moved on)."""
@@ -406,10 +416,12 @@ class Stream:
             timeout = None
             if batch is None and self.source.finished():
                 return None
-            if batch is None and not self.ring.free_slots():  # the trainer must release one
-                idle = time.monotonic() - self._last_release
+            full = not self.ring.free_slots()
+            if batch is None and (full or self.source.waits_for_client):  # the client must act
+                idle = time.monotonic() - self._last_heard
                 if idle >= self.plan.lease_timeout:
-                    what = "the trainer released no batch" if self._read_any else UNREAD
+                    what = ("the client handed no batch" if not full else
+                            "the trainer released no batch" if self._read_any else UNREAD)
                     raise LeaseExpired(
                         f"lease timeout: {what} for {self.plan.lease_timeout:g} s "
                         f"(server's --lease-timeout); resume from batch {seq}")
