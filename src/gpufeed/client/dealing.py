@@ -53,6 +53,7 @@ __all__ = ["DealtPass"]
 
 _log = logging.getLogger(__name__)
 _MAX_BACKOFF = 2.0
+_END_GRACE = 5.0  # seconds a finished pass waits for its streams to end before cancelling them
 
 Batch = tuple[list[feed_pb2.SampleFailure], "dict[str, torch.Tensor] | None"]
 
@@ -149,8 +150,22 @@ class DealtPass:
                 self._arrived[number] = arrived
             elif dealt in self._live:  # the stream ended, or broke
                 self._lose(dealt, arrived)
-        for dealt in self._live:  # every batch arrived: the streams end, OK
+        self._end_streams()
+
+    def _end_streams(self) -> None:
+        """Every batch has arrived: say `last`, and wait (briefly) for each stream to end,
+        so that the servers end them OK rather than see the call cancelled."""
+        for dealt in self._live:
             dealt.hand([], last=True)
+        ending = set(self._live)
+        deadline = time.monotonic() + _END_GRACE
+        while ending:
+            try:
+                dealt, number, _ = self._arrivals.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                return  # close() cancels what has not ended
+            if number is None:
+                ending.discard(dealt)
 
     def close(self) -> None:
         for dealt in self._live:
