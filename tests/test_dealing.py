@@ -208,3 +208,37 @@ def test_a_server_that_does_not_know_dealing_is_refused_not_believed(paced, imag
         older.stop(None)
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "does not know `dealt`" in str(info.value)
+
+
+def test_a_local_server_over_shm_and_a_remote_one_inline_share_one_pass(paced, data_dir,
+                                                                        image_names):
+    """The trainer's local server first (it shares /dev/shm: shm), and one that does not
+    share it (a /dev/shm of its own, as on another host: inline). Each stream uses its
+    own transport, both make batches, and the pass is the one server's order."""
+    private_shm = ["unshare", "--mount", "sh", "-c",
+                   'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]
+    remote = ServerProcess(["--data-root", str(data_dir), "--threads", "1"], prefix=private_shm)
+    try:
+        remote.start()
+    except RuntimeError as e:
+        if "mount" in str(e) or "unshare" in str(e):
+            pytest.skip(f"cannot give a server a /dev/shm of its own here: {e}")
+        raise
+    options = dict(batch_size=8, size=(16, 16), shuffle=True, seed=5)
+    files = image_names[:160]
+    try:
+        with FeedClient(paced[1].address) as feed:
+            alone = _indices(feed.loader(files, **options))
+        servers = [paced[1], remote]
+        before = [len(_stream_ends(server)) for server in servers]
+        with FeedClient([server.address for server in servers]) as feed:
+            both = _indices(feed.loader(files, **options))
+        assert both == alone and sorted(both) == list(range(160))
+        assert wait_until(lambda: all(len(_stream_ends(s)) > n for s, n in zip(servers, before)))
+        made = [_stream_ends(server)[n] for server, n in zip(servers, before)]
+        assert sum(made) == 20 and min(made) > 0, made  # both made batches of the pass
+        ends = [[line for line in list(server.log) if "stream end" in line][n]
+                for server, n in zip(servers, before)]
+        assert "transport=shm" in ends[0] and "transport=inline" in ends[1], ends
+    finally:
+        remote.stop()
