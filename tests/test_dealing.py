@@ -147,7 +147,7 @@ def test_a_deal_the_stream_cannot_take_is_invalid_argument_naming_it(paced, imag
 
 
 @pytest.mark.parametrize("field, value", [
-    ("start_batch", 2), ("pass_start_batch", 2), ("batch_stride", 2), ("job", "j")])
+    ("start_batch", 2), ("job", "j")])
 def test_fields_a_dealt_stream_has_no_use_for_are_refused_naming_them(paced, image_names,
                                                                      field, value):
     with pytest.raises(grpc.RpcError) as info:

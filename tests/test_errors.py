@@ -94,21 +94,3 @@ def test_numpy_arguments_are_accepted(feed):
                          mean=np.array([0.5, 0.5, 0.5]), std=np.array([0.25, 0.25, 0.25]))
     (batch,) = list(loader)
     assert batch["label"].tolist() == [3, 4]
-
-
-@pytest.mark.parametrize("stride, offset, job, words", [
-    (2, 2, "", "batch_offset must be in [0, batch_stride=2)"),
-    (-1, 0, "", "batch_stride must be >= 0"),
-    (2, 0, "a-job", "batch_stride: a shared job"),
-])
-def test_a_bad_split_over_servers_is_refused_naming_it(server, image_names, stride, offset, job,
-                                                       words):
-    request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=image_names[:8]), batch_size=2,
-                                     output=feed_pb2.OutputSpec(height=8, width=8),
-                                     transport=feed_pb2.TRANSPORT_INLINE, batch_stride=stride,
-                                     batch_offset=offset, job=job)
-    with grpc.insecure_channel(server.address) as channel:
-        with pytest.raises(grpc.RpcError) as info:
-            list(feed_pb2_grpc.FeedStub(channel).Stream(iter([feed_pb2.ClientMessage(open=request)])))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert words in info.value.details()

@@ -7,12 +7,10 @@ import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 from gpufeed.client import FeedClient, FeedError
 from gpufeed.server.process import ServerProcess
-from gpufeed.v1 import feed_pb2, feed_pb2_grpc
 
 
 def _indices(loader) -> list[int]:
@@ -75,44 +73,6 @@ def test_a_position_resumes_with_another_number_of_servers(two_servers, image_na
         resumed.load_state_dict(state)
         assert taken + _indices(resumed) == full
     assert sorted(full) == list(range(100))
-
-
-def test_the_server_says_where_a_pass_position_falls_in_a_part(server, image_names):
-    """Part 1 of 3 holds the pass's batches 1, 4, 7, ...: resumed at pass batch 5, its
-    stream starts at its own batch 2, the pass's batch 7. The server works that out
-    (the client sends the pass position only) and says so in the header."""
-    request = feed_pb2.StreamRequest(
-        files=feed_pb2.FileList(paths=image_names[:80]), batch_size=4,
-        output=feed_pb2.OutputSpec(height=8, width=8), transport=feed_pb2.TRANSPORT_INLINE,
-        batch_stride=3, batch_offset=1, pass_start_batch=5)
-    with grpc.insecure_channel(server.address) as channel:
-        call = feed_pb2_grpc.FeedStub(channel).Stream(
-            iter([feed_pb2.ClientMessage(open=request)]), timeout=60)
-        header = next(call).header
-        batch = next(call).batch
-        call.cancel()
-    assert header.start_batch == 2 and batch.seq == 2
-    assert header.num_batches == 5  # part 1 of the pass's 20 batches: 1, 4, ..., 19; from 7
-    (index,) = [t for t in batch.tensors if t.name == "index"]
-    rows = np.frombuffer(batch.data, np.int64, count=index.shape[0], offset=index.offset)
-    assert rows.tolist() == [28, 29, 30, 31]  # the pass's batch 7, unshuffled
-
-
-@pytest.mark.parametrize("position, words", [
-    ({"pass_start_batch": 5, "start_batch": 1}, "not both"),
-    ({"pass_start_batch": 21}, "pass_start_batch must be in 0..20"),
-])
-def test_a_bad_pass_position_is_refused_naming_it(server, image_names, position, words):
-    request = feed_pb2.StreamRequest(
-        files=feed_pb2.FileList(paths=image_names[:80]), batch_size=4,
-        output=feed_pb2.OutputSpec(height=8, width=8), batch_stride=3, batch_offset=1,
-        **position)
-    with grpc.insecure_channel(server.address) as channel:
-        with pytest.raises(grpc.RpcError) as info:
-            next(feed_pb2_grpc.FeedStub(channel).Stream(
-                iter([feed_pb2.ClientMessage(open=request)]), timeout=60))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert info.value.details().startswith("pass_start_batch") and words in info.value.details()
 
 
 def _consume(feed, files, job, received, delay=0.0):

@@ -103,8 +103,7 @@ def check_header(header: feed_pb2.StreamHeader, request: feed_pb2.StreamRequest)
     for field in ("num_samples", "num_batches", "start_batch"):
         if getattr(header, field) < 0:
             raise data_loss(f"the server's header declares {field} {getattr(header, field)}")
-    if not request.job and not request.pass_start_batch \
-            and header.start_batch != request.start_batch:
+    if not request.job and header.start_batch != request.start_batch:
         raise data_loss(f"the server's header declares start_batch {header.start_batch}, but "
                         f"the request asked to start at batch {request.start_batch}")
     if header.transport == feed_pb2.TRANSPORT_SHM:

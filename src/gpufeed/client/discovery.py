@@ -11,11 +11,11 @@ system's resolver (``getaddrinfo``: /etc/hosts, then the cluster's DNS);
 that resolves to several addresses is then one server at the first of them).
 
 ``Servers.current()`` resolves the names again: a loader asks it at each new
-pass and when it loses a server (loader.py), so servers that appear join at the
-next pass, and those that vanish have their part moved as any lost server's is.
-A name that resolves to nothing, or a resolver that fails, keeps the addresses
-it had (a DNS hiccup must not end a pass); at the first resolution it is an
-error, naming the target.
+pass and when it loses a server (loader.py, dealing.py), so servers that appear
+join the next pass, or the one that lost a server, and those that vanish are
+lost servers whose batches go to the others. A name that resolves to nothing,
+or a resolver that fails, keeps the addresses it had (a DNS hiccup must not end
+a pass); at the first resolution it is an error, naming the target.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def is_dns_target(target: str) -> bool:
 
 
 def resolve(target: str) -> list[str]:
-    """``target``'s servers as "address:port" strings, sorted (a stable order for the
-    parts of a pass); one, as given, when it is not a ``dns:`` target."""
+    """``target``'s servers as "address:port" strings, sorted (a stable order: on a
+    tie, a dealt pass prefers the first); one, as given, when it is not a ``dns:``
+    target."""
     if not is_dns_target(target):
         return [target]
     authority, host, port = _parse(target)

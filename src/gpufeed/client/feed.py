@@ -70,8 +70,8 @@ class FeedClient:
     ``dns://DNS-SERVER/name:port``), which stands for every address the name
     resolves to, asked again at each new pass and when a server is lost: a
     Kubernetes headless Service's name is its ready pods (discovery.py).
-    With several servers, a loader deals its pass's batches over them in turn
-    and moves a server's part to another if it goes away (see loader.py).
+    With several servers, a loader hands each the pass's batches as fast as it
+    makes them, and a lost server's batches to the others (dealing.py).
     ``credentials`` (e.g. ``grpc.ssl_channel_credentials(ca_pem)``) makes the
     channels TLS; ``token`` is sent as ``authorization: Bearer
     <token>`` on every call. A server that has not answered within

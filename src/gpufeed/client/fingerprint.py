@@ -32,9 +32,9 @@ _GROUPS = {"files": ("files", "list_file", "prefix"),
            "labels": ("labels", "label_source", "fields"),
            "transforms": ("output", "clip")}
 # Position, ranks and delivery: not part of what a pass holds.
-_DELIVERY = {"epoch", "start_batch", "pass_start_batch", "resumed_from", "rank", "world_size",
-             "transport", "prefetch", "compression", "max_failures", "max_failure_fraction",
-             "job", "batch_stride", "batch_offset", "names"}
+_DELIVERY = {"epoch", "start_batch", "resumed_from", "rank", "world_size", "transport",
+             "prefetch", "compression", "max_failures", "max_failure_fraction", "job", "dealt",
+             "names"}
 # A request with no value in a group of fields serializes to nothing: its digest.
 _NOTHING = hashlib.sha256(b"").hexdigest()[:16]
 

@@ -107,7 +107,7 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[StreamRequest, _Mapping]] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., deal: _Optional[_Union[Deal, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job", "label_source", "clip", "classes", "fields", "sample_transforms", "batch_stride", "batch_offset", "dealt", "pass_start_batch", "resumed_from", "names", "compression")
+    __slots__ = ("files", "list_file", "prefix", "labels", "batch_size", "output", "drop_last", "shuffle", "seed", "epoch", "rank", "world_size", "transport", "prefetch", "start_batch", "max_failures", "max_failure_fraction", "job", "label_source", "clip", "classes", "fields", "sample_transforms", "dealt", "resumed_from", "names", "compression")
     FILES_FIELD_NUMBER: _ClassVar[int]
     LIST_FILE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
@@ -131,10 +131,7 @@ class StreamRequest(_message.Message):
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_TRANSFORMS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_STRIDE_FIELD_NUMBER: _ClassVar[int]
-    BATCH_OFFSET_FIELD_NUMBER: _ClassVar[int]
     DEALT_FIELD_NUMBER: _ClassVar[int]
-    PASS_START_BATCH_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
@@ -161,14 +158,11 @@ class StreamRequest(_message.Message):
     classes: _containers.RepeatedScalarFieldContainer[str]
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
     sample_transforms: _containers.RepeatedCompositeFieldContainer[SampleTransform]
-    batch_stride: int
-    batch_offset: int
     dealt: bool
-    pass_start_batch: int
     resumed_from: _containers.RepeatedCompositeFieldContainer[ResumedPhase]
     names: bool
     compression: str
-    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ..., label_source: _Optional[_Union[LabelSource, str]] = ..., clip: _Optional[_Union[ClipSpec, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., sample_transforms: _Optional[_Iterable[_Union[SampleTransform, _Mapping]]] = ..., batch_stride: _Optional[int] = ..., batch_offset: _Optional[int] = ..., dealt: _Optional[bool] = ..., pass_start_batch: _Optional[int] = ..., resumed_from: _Optional[_Iterable[_Union[ResumedPhase, _Mapping]]] = ..., names: _Optional[bool] = ..., compression: _Optional[str] = ...) -> None: ...
+    def __init__(self, files: _Optional[_Union[FileList, _Mapping]] = ..., list_file: _Optional[str] = ..., prefix: _Optional[str] = ..., labels: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ..., output: _Optional[_Union[OutputSpec, _Mapping]] = ..., drop_last: _Optional[bool] = ..., shuffle: _Optional[bool] = ..., seed: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., prefetch: _Optional[int] = ..., start_batch: _Optional[int] = ..., max_failures: _Optional[int] = ..., max_failure_fraction: _Optional[float] = ..., job: _Optional[str] = ..., label_source: _Optional[_Union[LabelSource, str]] = ..., clip: _Optional[_Union[ClipSpec, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., sample_transforms: _Optional[_Iterable[_Union[SampleTransform, _Mapping]]] = ..., dealt: _Optional[bool] = ..., resumed_from: _Optional[_Iterable[_Union[ResumedPhase, _Mapping]]] = ..., names: _Optional[bool] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class ResumedPhase(_message.Message):
     __slots__ = ("world_size", "batches")

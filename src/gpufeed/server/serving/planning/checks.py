@@ -25,10 +25,9 @@ from ...storage.shardindex import TAKEN_SUFFIXES
 from ...storage.shards import ShardSet
 from ..errors import InvalidRequest, LimitExceeded, Unsupported
 from .compression import COMPRESSORS
-from .order import Batches
 
 __all__ = ["check_batch_bytes", "check_field_bytes", "compression", "failure_budget", "pixels",
-           "prefetch", "resumed_from", "sample_fields", "sample_transforms", "served_batches",
+           "prefetch", "resumed_from", "sample_fields", "sample_transforms", "dealt",
            "start_batch", "transport", "world_size"]
 
 # An output side: larger than any model's input, small enough that a row stays bounded.
@@ -138,45 +137,18 @@ def dealt(req: feed_pb2.StreamRequest) -> bool:
     that pick a stream's batches otherwise: they do not apply to a dealt stream."""
     if not req.dealt:
         return False
-    for name, given in (("job", req.job), ("batch_stride", req.batch_stride > 1),
-                        ("batch_offset", req.batch_offset), ("start_batch", req.start_batch),
-                        ("pass_start_batch", req.pass_start_batch)):
+    for name, given in (("job", req.job), ("start_batch", req.start_batch)):
         if given:
             raise InvalidRequest(f"{name}: a dealt stream makes the batches its client hands "
                                  f"it, so {name} does not apply; leave it unset")
     return True
 
 
-def served_batches(req: feed_pb2.StreamRequest, batches: Batches) -> Batches:
-    """The pass's batches this stream serves: every ``batch_stride``-th from ``batch_offset``."""
-    stride = req.batch_stride or 1
-    if stride < 0:
-        raise InvalidRequest(f"batch_stride must be >= 0, got {req.batch_stride}")
-    if not 0 <= req.batch_offset < stride:
-        raise InvalidRequest(f"batch_offset must be in [0, batch_stride={stride}), "
-                       f"got {req.batch_offset}")
-    if stride > 1 and req.job:
-        raise InvalidRequest("batch_stride: a shared job serves the whole pass; give one or the "
-                             "other")
-    return batches[req.batch_offset::stride]
-
-
-def start_batch(req: feed_pb2.StreamRequest, in_pass: int, served: int) -> int:
-    """The stream's first batch: ``start_batch``, or where ``pass_start_batch`` (a
-    position in the whole pass) falls in the part this stream serves."""
-    if req.pass_start_batch:
-        if req.start_batch:
-            raise InvalidRequest("pass_start_batch: give start_batch or pass_start_batch, not both")
-        if not 0 <= req.pass_start_batch <= in_pass:
-            raise InvalidRequest(f"pass_start_batch must be in 0..{in_pass} (batches in the pass), "
-                                 f"got {req.pass_start_batch}")
-        # The part's batches are the pass's batch_offset, batch_offset + stride, ...:
-        # it starts after those of them that come before the position.
-        stride = req.batch_stride or 1
-        return min(max(0, -(-(req.pass_start_batch - req.batch_offset) // stride)), served)
-    if not 0 <= req.start_batch <= served:
-        raise InvalidRequest(f"start_batch must be in 0..{served} (batches in this stream), "
-                             f"got {req.start_batch}")
+def start_batch(req: feed_pb2.StreamRequest, num_batches: int) -> int:
+    """The stream's first batch of the pass's ``num_batches``: its resume position."""
+    if not 0 <= req.start_batch <= num_batches:
+        raise InvalidRequest(f"start_batch must be in 0..{num_batches} (batches in this "
+                             f"stream), got {req.start_batch}")
     return req.start_batch
 
 

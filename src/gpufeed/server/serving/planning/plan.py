@@ -214,11 +214,11 @@ def _plan(req: feed_pb2.StreamRequest, storage: Storage, limits: Limits,
     order, resumed = _order(req, world_size, shards, len(names))
     whole = split_batches(order, req.batch_size, req.drop_last)
     dealt = checks.dealt(req)
-    batches = checks.served_batches(req, whole)
+    batches = whole
     assert paths is not None  # the shards' reader made them above
     plan = StreamPlan(paths=paths, reader=reader, labels=labels, classes=classes,
                       batches=batches,
-                      start_batch=checks.start_batch(req, len(whole), len(batches)), layout=layout,
+                      start_batch=checks.start_batch(req, len(batches)), layout=layout,
                       transform=transform,
                       transport=transport,
                       prefetch=prefetch,

@@ -259,7 +259,7 @@ def _fingerprint(request: feed_pb2.StreamRequest) -> str:
     (``names`` too: a consumer's own batches carry them or not, from its own plan)."""
     shared = feed_pb2.StreamRequest()
     shared.CopyFrom(request)
-    for name in ("transport", "prefetch", "start_batch", "pass_start_batch", "max_failures",
+    for name in ("transport", "prefetch", "start_batch", "max_failures",
                  "max_failure_fraction", "names"):
         shared.ClearField(name)
     return hashlib.sha256(shared.SerializeToString(deterministic=True)).hexdigest()
