@@ -24,15 +24,15 @@ def _kill(server: ServerProcess) -> None:
     server.proc.wait()
 
 
-def test_a_dead_servers_part_continues_on_the_other_with_the_same_content(two_servers,
-                                                                          image_names):
+def test_a_dead_servers_batches_are_made_by_the_other_with_the_same_content(two_servers,
+                                                                            image_names):
     files = image_names[:60]
     with FeedClient([s.address for s in two_servers]) as feed:
         whole = [{k: v.clone() for k, v in b.items()} for b in feed.loader(files=files, **OPTIONS)]
         received = []
         for k, batch in enumerate(feed.loader(files=files, reconnect_timeout=30, **OPTIONS)):
             received.append({k: v.clone() for k, v in batch.items()})
-            if k == 2:  # batches 0, 2 came from server 0, batch 1 from server 1
+            if k == 2:  # server 1 holds batches it was handed and has not sent
                 _kill(two_servers[1])
     assert len(received) == len(whole) == 10
     for got, want in zip(received, whole):
