@@ -8,6 +8,7 @@ stream keeps with a client that does not."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import re
 from concurrent import futures
@@ -242,3 +243,31 @@ def test_a_local_server_over_shm_and_a_remote_one_inline_share_one_pass(paced, d
         assert "transport=shm" in ends[0] and "transport=inline" in ends[1], ends
     finally:
         remote.stop()
+
+
+def test_a_dealt_loader_left_unread_past_the_lease_timeout_is_quiet_and_whole(
+        paced, image_names, caplog):
+    """An evaluation loader made before training opens a dealt stream on each server at
+    once, and is handed nothing until the trainer gets to it. The fast server ends its
+    stream at its lease timeout: routine, so the loader opens it again, without a warning,
+    and the pass is whole and in order."""
+    files = image_names[:80]
+    with FeedClient(paced[1].address) as feed:
+        alone = _indices(feed.loader(files, batch_size=8, size=(16, 16)))
+    before = len(_stream_ends(paced[1]))
+    with FeedClient([server.address for server in paced]) as feed:
+        idle = feed.loader(files, batch_size=8, size=(16, 16))
+        assert wait_until(lambda: len(_stream_ends(paced[1])) > before, 3 * _LEASE + 30)
+        with caplog.at_level("INFO", logger="gpufeed"):
+            got = _indices(idle)
+    assert got == alone
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("opening another" in r.getMessage() for r in caplog.records)
+
+
+def test_cuda_ipc_asked_of_several_servers_is_refused_naming_it(paced, image_names):
+    with FeedClient([server.address for server in paced]) as feed:
+        with pytest.raises(FeedError) as info:
+            feed.loader(image_names[:16], batch_size=8, size=(16, 16), transport="cuda_ipc")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cuda_ipc serves a loader of one server" in str(info.value)

@@ -44,6 +44,7 @@ import grpc
 import torch
 
 from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import UNHANDED
 
 from .checks import data_loss
 from .errors import FeedError, as_raised, status_of
@@ -71,10 +72,17 @@ class _Dealt:
         self.seconds = 0.0  # a batch's time (moving average); 0 until one has arrived
         self._last_arrival = 0.0
 
-    def expected(self) -> float:
-        """When a batch handed now would arrive, in seconds from now. A stream that has
-        delivered nothing yet counts as near instant, so each gets batches to measure."""
-        return (len(self.handed) + 1) * (self.seconds or 1e-9)
+    def expected(self, unknown: float) -> float:
+        """When a batch handed now would arrive, in seconds from now: after those handed
+        before it, or later if the oldest of them is overdue (a server that has stalled
+        is passed over). ``unknown`` stands for the batch time of a stream that has
+        delivered nothing yet."""
+        seconds = self.seconds or unknown
+        try:
+            waited = time.monotonic() - self.handed[0][1]
+        except IndexError:  # nothing handed (or the reader just took the last)
+            waited = 0.0
+        return max((len(self.handed) + 1) * seconds, waited + seconds)
 
     def hand(self, numbers: list[int], last: bool = False) -> None:
         now = time.monotonic()
@@ -128,8 +136,16 @@ class DealtPass:
         self._total = total
         self._again: list[int] = []  # handed to a stream that broke: hand first, sorted
         self._arrived: dict[int, Batch] = {}
-        for server, stream in streams.items():
-            self._add(server, stream)
+        try:
+            for server, stream in streams.items():
+                self._add(server, stream)
+        except BaseException:
+            added = {id(dealt.stream) for dealt in self._live}
+            for stream in streams.values():
+                if id(stream) not in added:
+                    stream.close()
+            self.close()
+            raise
 
     @property
     def window(self) -> int:
@@ -173,8 +189,9 @@ class DealtPass:
         self._live.clear()
 
     def _add(self, server: str, stream: OpenStream) -> None:
+        """Read ``stream`` into the pass; DATA_LOSS (the caller closes it) if its server
+        counts another number of batches in the pass."""
         if stream.header.num_batches != self._total:
-            stream.close()
             raise data_loss(f"{server} declares {stream.header.num_batches} batches in the pass, "
                             f"another server {self._total}")
         dealt = _Dealt(server, stream)
@@ -186,9 +203,12 @@ class DealtPass:
         """Hand out the next batches (those given back first, then new ones within the
         window), each to the stream expected to deliver it first, while that one has room."""
         limit = min(self._total, self._next + self.window)
+        # A stream that has delivered nothing yet counts as the slowest that has (or near
+        # instant when none has): it gets batches when the others are full.
+        unknown = max((dealt.seconds for dealt in self._live), default=0.0) or 1e-9
         while self._live and (self._again or self._new < limit):
             # min() keeps the first of equals: on a tie, the server listed first.
-            dealt = min(self._live, key=_Dealt.expected)
+            dealt = min(self._live, key=lambda d: d.expected(unknown))
             if len(dealt.handed) >= dealt.room:
                 return  # the quickest has no room: the batch waits for it
             if self._again:
@@ -209,6 +229,13 @@ class DealtPass:
             error = FeedError(grpc.StatusCode.UNAVAILABLE,
                               f"{dealt.server} ended its stream before the pass did")
         code, details = status_of(error)
+        if code == grpc.StatusCode.UNAVAILABLE and UNHANDED in details:
+            # Routine: a stream opened ahead, or a server the others outpaced, left
+            # without a batch for the server's lease timeout. Open it again.
+            _log.info("%s ended a stream it was handed nothing for; opening another",
+                      dealt.server)
+            if self._join(dealt.server):
+                return
         if code != grpc.StatusCode.UNAVAILABLE or self._reconnect_timeout <= 0:
             raise as_raised(error, dealt.server) from None
         _log.warning("stream from %s interrupted (%s); its batches go to the other servers",
@@ -222,15 +249,27 @@ class DealtPass:
         """Open a stream on each server up that has none (and is not in ``skip``)."""
         serving = {dealt.server for dealt in self._live}
         for server in self._servers_up():
-            if server in serving or server in skip:
-                continue
+            if server not in serving and server not in skip:
+                self._join(server)
+
+    def _join(self, server: str) -> bool:
+        """Open a stream on ``server`` into the pass; False if it does not serve now. A
+        refusal other than an outage is raised when no stream is left, else logged."""
+        try:
+            stream = self._reopen(server)
             try:
-                self._add(server, self._reopen(server))
-            except (grpc.RpcError, FeedError) as e:
-                code, details = status_of(e)
-                if code != grpc.StatusCode.UNAVAILABLE:
-                    raise as_raised(e, server) from None
-                _log.info("%s is not serving (%s)", server, details)
+                self._add(server, stream)
+            except BaseException:
+                stream.close()
+                raise
+            return True
+        except (grpc.RpcError, FeedError) as e:
+            code, details = status_of(e)
+            if code != grpc.StatusCode.UNAVAILABLE and not self._live:
+                raise as_raised(e, server) from None
+            level = logging.INFO if code == grpc.StatusCode.UNAVAILABLE else logging.WARNING
+            _log.log(level, "%s is not serving this pass (%s)", server, details)
+            return False
 
     def _wait_for_a_server(self, details: str) -> None:
         """No stream left: try every server up, with backoff, until one serves or the

@@ -350,11 +350,17 @@ class Loader:
         """A dealt pass's batches to the end of the epoch (dealing.py)."""
         progress = self._progress
         streams, self._opened = self._opened, {}
-        assert progress.total is not None, "a dealt pass's streams said its batches"
-        dealt = DealtPass(streams, progress.consumed, progress.total,
-                          reopen=lambda address: self._open(address, _Outage()),
-                          servers_up=self._servers_up,
-                          reconnect_timeout=self._reconnect_timeout)
+        total = progress.total
+        assert total is not None, "a dealt pass's streams said its batches"
+
+        def reopen(address: str) -> OpenStream:
+            try:
+                return self._open(address, _Outage())
+            finally:  # the pass's count stands: DealtPass refuses a server that differs
+                progress.total = total
+
+        dealt = DealtPass(streams, progress.consumed, total, reopen=reopen,
+                          servers_up=self._servers_up, reconnect_timeout=self._reconnect_timeout)
         try:
             for failures, tensors in dealt:
                 self._note_failures(failures)
@@ -383,6 +389,14 @@ class Loader:
         auto = request.transport == feed_pb2.TRANSPORT_AUTO
         if auto:
             request.transport = server.auto_transport()  # Info, the first time
+        if self._dealt() and request.transport == feed_pb2.TRANSPORT_CUDA_IPC:
+            # A dealt pass reads batches on a thread per server, and a CUDA batch must be
+            # made ready on the trainer's stream: shm (zero copy on the host) instead.
+            if not auto:
+                raise FeedError(grpc.StatusCode.INVALID_ARGUMENT,
+                                "transport: cuda_ipc serves a loader of one server; with "
+                                "several, use shm or auto")
+            request.transport = feed_pb2.TRANSPORT_SHM
         if not server.answered:  # a wrong address or a server that is down: fail fast
             server.info()
         elif outage.since is not None:  # a server that accepts TCP but never answers

@@ -29,7 +29,7 @@ import numpy as np
 from . import feed_pb2
 
 __all__ = ["BFLOAT16", "FAILURE_CATEGORIES", "INLINE_ALIGN", "NO_SLOT_MEMORY", "OUTPUT_DTYPES",
-           "SHM_DIR", "SLOT_ALIGN", "TRANSPORTS", "UNREAD", "carrier_dtype",
+           "SHM_DIR", "SLOT_ALIGN", "TRANSPORTS", "UNHANDED", "UNREAD", "carrier_dtype",
            "failure_category_name", "transport_name", "wire_text"]
 
 
@@ -58,6 +58,9 @@ SHM_DIR = "/dev/shm"
 # In an UNAVAILABLE lease timeout's details: the trainer never read the stream (a
 # loader opened ahead, not iterated yet). Routine: the client reopens it quietly.
 UNREAD = "the trainer has read no batch of this stream"
+# The same for a dealt stream its client handed no batch for a lease timeout (a
+# loader opened ahead, or a server the others outpace): the client reopens it.
+UNHANDED = "the client handed no batch"
 # How a RESOURCE_EXHAUSTED refusal begins when the server has no /dev/shm or device
 # memory for the stream's slots (not its budget or stream count): the cue for the
 # client's transport ``auto`` to ask again inline.

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from gpufeed.v1.vocabulary import UNREAD
+from gpufeed.v1.vocabulary import UNHANDED, UNREAD
 
 from ...media.batch_jpeg import Deferred
 from ...media.samples import Decoders
@@ -420,7 +420,7 @@ class Stream:
             if batch is None and (full or self.source.waits_for_client):  # the client must act
                 idle = time.monotonic() - self._last_heard
                 if idle >= self.plan.lease_timeout:
-                    what = ("the client handed no batch" if not full else
+                    what = (UNHANDED if not full else
                             "the trainer released no batch" if self._read_any else UNREAD)
                     raise LeaseExpired(
                         f"lease timeout: {what} for {self.plan.lease_timeout:g} s "
