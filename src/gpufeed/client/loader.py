@@ -430,14 +430,22 @@ class Loader:
         progress.total = None if request.job else header.start_batch + header.num_batches
         return stream
 
-    def _pass_over(self, address: str, error: grpc.RpcError | FeedError) -> None:
-        """Leave ``address`` out of a dealt pass after an outage (the others make its
-        batches); raise ``error`` as a FeedError if it is not one."""
+    def _outage(self, address: str, error: grpc.RpcError | FeedError) -> str:
+        """``error``'s details if it is an outage of ``address`` the loader may ride out;
+        else raise it as a FeedError. A server the caller named that never answered is a
+        wrong address: fail now. One a DNS name listed may have gone since: pass over it,
+        as over any lost server."""
         server = self._servers.connection(address)
         code, details = status_of(error)
         never = not server.answered and not self._servers.found_later(address)
         if code != grpc.StatusCode.UNAVAILABLE or self._reconnect_timeout <= 0 or never:
             raise as_raised(error, address) from None
+        return details
+
+    def _pass_over(self, address: str, error: grpc.RpcError | FeedError) -> None:
+        """Leave ``address`` out of a dealt pass after an outage (the others make its
+        batches); raise ``error`` as a FeedError if it is not one."""
+        details = self._outage(address, error)
         _log.warning("%s is not serving (%s); the pass is dealt over the others", address,
                      details)
 
@@ -447,12 +455,7 @@ class Loader:
         long."""
         progress = self._progress
         server = self._servers.connection(progress.server)
-        code, details = status_of(error)
-        # A server the caller named that never answered is a wrong address: fail now. One
-        # a DNS name listed may have gone since: pass over it, as over any lost server.
-        never = not server.answered and not self._servers.found_later(progress.server)
-        if code != grpc.StatusCode.UNAVAILABLE or self._reconnect_timeout <= 0 or never:
-            raise as_raised(error, server.address) from None
+        details = self._outage(progress.server, error)
         now = time.monotonic()
         outage.since = outage.since or now
         if now - outage.since >= self._reconnect_timeout:
