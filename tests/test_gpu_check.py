@@ -47,8 +47,12 @@ def test_the_dry_run_does_every_step_and_reports_what_the_device_tool_fetches(tm
         assert machine["jpeg"].startswith("JPEG decoder: libjpeg-turbo"), machine["jpeg"]
     assert machine["augment_kernels"] == "C"
 
+    # The CUDA tests of the three modules were collected from the laid-out copy; with no
+    # device here they all skip (the suite runs the modules' other tests itself).
     tests = report["tests"]
-    assert tests["passed_all"] and tests["tests"] > 10 and tests["failed"] == []
+    assert tests["passed_all"] and tests["failed"] == [] and tests["tests"] >= 10
+    if not torch.cuda.is_available():
+        assert tests["skipped"] == tests["tests"]
 
     rows = report["bench"]["rows"]
     cpu_row = rows["gpufeed-shm-rrc-u8"]
