@@ -13,8 +13,9 @@
 # Its arguments go to bench.gpu.check (--help lists them).
 # `bash bench/gpu/run.sh --dry-run` does the same here, on the CPU: the carried
 # packages are unpacked but left off the path (they are for Python 3.12), only
-# the CUDA tests are picked (they skip) and the GPU rows say "no CUDA device" (tests/test_gpu_check.py runs it, so
-# the script cannot rot between the sessions that have a GPU). $OUT defaults to
+# the CUDA tests are picked (they skip) and the GPU rows say "no CUDA device"
+# (tests/test_gpu_check.py runs it, so the script cannot rot between the sessions
+# that have a GPU). $OUT defaults to
 # bench/results/device-check; PYTHON to python3 (.venv's in a dry run).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
