@@ -81,9 +81,15 @@ def test_sigterm_drains_open_streams_and_exits_zero(data_dir, image_names):
     assert not stream_segments(prefix) and not os.path.exists(f"/dev/shm/{prefix}probe")
 
 
-def test_lease_timeout_ends_an_idle_stream(data_dir, image_names):
-    with ServerProcess(["--data-root", str(data_dir), "--lease-timeout", "0.5"]) as server, \
-            grpc.insecure_channel(server.address) as channel:
+@pytest.fixture(scope="module")
+def lease_server(data_dir):
+    """A server that ends a stream whose client has not released a slot for 0.5 s."""
+    with ServerProcess(["--data-root", str(data_dir), "--lease-timeout", "0.5"]) as server:
+        yield server
+
+
+def test_lease_timeout_ends_an_idle_stream(lease_server, image_names):
+    with grpc.insecure_channel(lease_server.address) as channel:
         request = feed_pb2.StreamRequest(
             files=feed_pb2.FileList(paths=image_names[:40]), batch_size=4, prefetch=1,
             output=feed_pb2.OutputSpec(height=8, width=8), transport=feed_pb2.TRANSPORT_INLINE)
@@ -100,18 +106,18 @@ def test_lease_timeout_ends_an_idle_stream(data_dir, image_names):
 
 @pytest.mark.parametrize("transport", ["inline", "shm"])
 def test_a_loader_not_iterated_past_the_lease_timeout_is_quiet_and_whole(
-        data_dir, image_names, transport, caplog):
+        lease_server, image_names, transport, caplog):
     """An evaluation loader made before training opens its stream at once; the trainer
     leaves it unread past the server's lease timeout. That is routine: its pass later
     gives every batch, equal to a fresh loader's, and neither side warns."""
-    files = image_names[:40]
-    with ServerProcess(["--data-root", str(data_dir), "--lease-timeout", "0.5"]) as server, \
-            FeedClient(server.address) as feed:
+    files, server = image_names[:40], lease_server
+    logged = len(server.log)  # the lines before are other tests'
+    with FeedClient(server.address) as feed:
         idle = feed.loader(files=files, batch_size=4, size=(8, 8), prefetch=1,
                            transport=transport)
         # The server ends the unread stream 0.5 s after it fills its slots.
-        assert wait_until(lambda: any("stream end" in line for line in server.log), 30), \
-            "".join(server.log)
+        assert wait_until(lambda: any("stream end" in line for line in server.log[logged:]),
+                          30), "".join(server.log[logged:])
         with caplog.at_level("INFO", logger="gpufeed"):
             got = [{k: t.clone() for k, t in b.items()} for b in idle]
         want = list(feed.loader(files=files, batch_size=4, size=(8, 8), copy=True))
@@ -121,7 +127,8 @@ def test_a_loader_not_iterated_past_the_lease_timeout_is_quiet_and_whole(
     # Said, quietly. Which batch it resumes at depends on how many reached the client
     # before the lease ran out (a timing matter): any is right, as the pass is whole.
     assert any(re.search(r"resuming at batch \d+", r.getMessage()) for r in caplog.records)
-    ended = [line for line in server.log if "stream end" in line and "lease timeout" in line]
+    ended = [line for line in server.log[logged:]
+             if "stream end" in line and "lease timeout" in line]
     assert ended and all(" INFO " in line for line in ended), ended
 
 
@@ -166,10 +173,10 @@ def test_a_shm_stream_that_fails_before_the_trainer_maps_it_reports_why(server, 
 _MANY_STREAMS_CLIENT = textwrap.dedent("""
     import sys
     from gpufeed.client import FeedClient
-    address, files = sys.argv[1], sys.argv[2:]
+    address, streams, files = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     feed = FeedClient(address)
     iterators = [iter(feed.loader(files=files, batch_size=2, size=(8, 8), transport="shm",
-                                  prefetch=1, copy=True)) for _ in range(8)]
+                                  prefetch=1, copy=True)) for _ in range(streams)]
     firsts = [next(it)["index"].tolist() for it in iterators]  # every stream is open now
     print("open", flush=True)
     sys.stdin.readline()
@@ -181,15 +188,15 @@ _MANY_STREAMS_CLIENT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_64_streams_from_8_processes_and_the_65th_refused(data_dir, image_names):
+def test_64_streams_from_2_processes_and_the_65th_refused(data_dir, image_names):
     files = image_names[:12]
     with ServerProcess(["--data-root", str(data_dir), "--max-streams", "64"]) as server:
         procs = [subprocess.Popen([sys.executable, "-c", _MANY_STREAMS_CLIENT, server.address,
-                                   *files], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   "32", *files], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True)
-                 for _ in range(8)]
+                 for _ in range(2)]
         try:
-            assert [p.stdout.readline().strip() for p in procs] == ["open"] * 8
+            assert [p.stdout.readline().strip() for p in procs] == ["open"] * 2
             with FeedClient(server.address) as feed, pytest.raises(FeedError) as info:
                 _indices(feed.loader(files=files, batch_size=2, size=(8, 8)))
             assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -197,7 +204,7 @@ def test_64_streams_from_8_processes_and_the_65th_refused(data_dir, image_names)
             for p in procs:
                 p.stdin.write("go\n")
                 p.stdin.flush()
-            assert [p.stdout.readline().strip() for p in procs] == ["ok"] * 8
+            assert [p.stdout.readline().strip() for p in procs] == ["ok"] * 2
         finally:
             for p in procs:
                 p.kill()
