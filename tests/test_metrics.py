@@ -1,6 +1,7 @@
 """Metrics, checked against what a real client received and with Prometheus's own tools.
 
-The server runs as a real subprocess with ``--metrics-port``; the figures on
+The server runs as a real subprocess with ``--metrics-port``, one for the module's
+tests (each checks what its own calls added); the figures on
 /metrics must equal what FeedClient got, promtool must accept the exposition,
 and Debian's real ``prometheus`` binary must scrape the live server and answer
 the samples counter (and every dashboard query) through its HTTP API.
@@ -8,7 +9,6 @@ the samples counter (and every dashboard query) through its HTTP API.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import shutil
@@ -66,21 +66,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def _metrics_server(data_root: Path, *extra: str):
+@pytest.fixture(scope="module")
+def metrics_server(data_root: Path):
     """A running server with metrics on a free port: yields it and its logged metrics address.
 
     The port is picked by binding port 0 and closing it, so another process may
     take it first: then the server exits saying so, and we try another port.
+    The tests share it, so each reads the counters before and after its own calls
+    (``_Counts``), and only the server's lines logged since it began.
     """
-    server = _start_with_free_metrics_port(
-        ["--data-root", str(data_root), "--threads", "2", *extra])
+    server = _start_with_free_metrics_port(["--data-root", str(data_root), "--threads", "2"])
     try:
         match = next(filter(None, map(_METRICS_LINE.search, server.log)), None)
         assert match, "no metrics line before the ready line:\n" + "".join(server.log)
         yield server, match.group(1)
     finally:
         _stop(server)
+
+
+class _Counts:
+    """What a test's own calls added to the shared server's counters: read once when
+    made, and :meth:`added` subtracts that from a later scrape."""
+
+    def __init__(self, metrics: str):
+        self.metrics = metrics
+        self.before = _values(_scrape(metrics))
+
+    def added(self) -> tuple[str, dict]:
+        """The exposition now (for its gauges), and each counter's increase since."""
+        text = _scrape(self.metrics)
+        now = _values(text)
+        return text, {key: value - self.before.get(key, 0.0) for key, value in now.items()}
 
 
 def _start_with_free_metrics_port(args: list[str]) -> ServerProcess:
@@ -117,8 +133,10 @@ def _values(text: str) -> dict[tuple[str, frozenset], float]:
     return out
 
 
-def _value(text: str, name: str, **labels: str) -> float:
-    return _values(text)[(name, frozenset(labels.items()))]
+def _value(text: str | dict, name: str, **labels: str) -> float:
+    """One sample, from an exposition or from ``_Counts.added``'s increases."""
+    values = _values(text) if isinstance(text, str) else text
+    return values[(name, frozenset(labels.items()))]
 
 
 def _run_pass(client: FeedClient, data_root: Path, transport: str) -> dict:
@@ -135,42 +153,46 @@ def _run_pass(client: FeedClient, data_root: Path, transport: str) -> dict:
     return got
 
 
-def test_counters_equal_what_the_client_received(data_root):
-    with _metrics_server(data_root) as (server, metrics), FeedClient(server.address) as client:
+def test_counters_equal_what_the_client_received(data_root, metrics_server):
+    server, metrics = metrics_server
+    counts = _Counts(metrics)
+    with FeedClient(server.address) as client:
         received = {t: _run_pass(client, data_root, t) for t in ("inline", "shm")}
-        text = _scrape(metrics)
+    text, added = counts.added()
 
     for transport, got in received.items():
         # The pass really exercised both failure kinds, so the checks below mean something.
         assert got["failures"] == ["not_found", "undecodable"]
         assert got["samples"] == 10 and got["batches"] == 6
-        assert _value(text, "gpufeed_samples_total", transport=transport) == got["samples"]
-        assert _value(text, "gpufeed_batches_total", transport=transport) == got["batches"]
-        assert _value(text, "gpufeed_batch_bytes_total", transport=transport) == got["bytes"]
-        assert _value(text, "gpufeed_streams_total", transport=transport) == 1
+        assert _value(added, "gpufeed_samples_total", transport=transport) == got["samples"]
+        assert _value(added, "gpufeed_batches_total", transport=transport) == got["batches"]
+        assert _value(added, "gpufeed_batch_bytes_total", transport=transport) == got["bytes"]
+        assert _value(added, "gpufeed_streams_total", transport=transport) == 1
         assert _value(text, "gpufeed_active_streams", transport=transport) == 0
         assert _value(text, "gpufeed_slots_leased", transport=transport) == 0
     # inline messages carry the tensors; shm messages only their metadata.
-    assert (_value(text, "gpufeed_message_bytes_total", transport="inline")
+    assert (_value(added, "gpufeed_message_bytes_total", transport="inline")
             > received["inline"]["bytes"]
-            > _value(text, "gpufeed_message_bytes_total", transport="shm") > 0)
+            > _value(added, "gpufeed_message_bytes_total", transport="shm") > 0)
     assert _value(text, "gpufeed_samples_total", transport="cuda_ipc") == 0
     # Counted by the category the client received, one series per category from the start.
-    assert _value(text, "gpufeed_sample_failures_total", category="undecodable") == 2
-    assert _value(text, "gpufeed_sample_failures_total", category="not_found") == 2
+    assert _value(added, "gpufeed_sample_failures_total", category="undecodable") == 2
+    assert _value(added, "gpufeed_sample_failures_total", category="not_found") == 2
     for category in FAILURE_CATEGORIES.keys() - {"undecodable", "not_found"}:
         assert _value(text, "gpufeed_sample_failures_total", category=category) == 0
 
-    stage_count = {s: _value(text, "gpufeed_stage_duration_seconds_count", stage=s) for s in STAGES}
+    stage_count = {s: _value(added, "gpufeed_stage_duration_seconds_count", stage=s)
+                   for s in STAGES}
     assert stage_count == {"read": 24, "decode": 22, "batch_decode": 0, "batch": 12,
                            "device_copy": 0, "send": 12}
-    assert _value(text, "gpufeed_stage_duration_seconds_bucket", stage="send", le="+Inf") == 12
+    assert _value(added, "gpufeed_stage_duration_seconds_bucket", stage="send", le="+Inf") == 12
     assert _value(text, "gpufeed_decode_queue_tasks") == 0
     assert _value(text, "gpufeed_decode_threads") == 2
 
 
-def test_active_streams_and_leased_slots_follow_an_open_stream(data_root):
-    with _metrics_server(data_root) as (server, metrics), FeedClient(server.address) as client:
+def test_active_streams_and_leased_slots_follow_an_open_stream(data_root, metrics_server):
+    server, metrics = metrics_server
+    with FeedClient(server.address) as client:
         loader = client.loader(_files(), prefix=f"{data_root}/", batch_size=_BATCH,
                                size=(32, 32), transport="shm", prefetch=_PREFETCH)
         batches = iter(loader)
@@ -188,19 +210,22 @@ def test_active_streams_and_leased_slots_follow_an_open_stream(data_root):
         assert _value(_scrape(metrics), "gpufeed_slots_leased", transport="shm") == 0
 
 
-def test_each_stream_logs_one_line_at_open_and_end_and_refusals_are_counted(data_root):
+def test_each_stream_logs_one_line_at_open_and_end_and_refusals_are_counted(data_root,
+                                                                          metrics_server):
     from gpufeed.client import FeedError
     from support import wait_until
 
-    with _metrics_server(data_root) as (server, metrics), FeedClient(server.address) as client:
+    server, metrics = metrics_server
+    logged, counts = len(server.log), _Counts(metrics)
+    with FeedClient(server.address) as client:
         got = _run_pass(client, data_root, "inline")
         for bad in ({"files": _files(), "batch_size": 0}, {"files": "missing.flist",
                                                             "batch_size": 2}):
             with pytest.raises(FeedError):
                 list(client.loader(size=(8, 8), **bad))
-        assert wait_until(lambda: any("stream end:" in line for line in server.log))
-        text = _scrape(metrics)
-    log = "".join(server.log)
+        assert wait_until(lambda: any("stream end:" in line for line in server.log[logged:]))
+        _, added = counts.added()
+    log = "".join(server.log[logged:])
     opened = re.findall(r"stream open: peer=ipv[46]:\S+ transport=inline samples=12 "
                         r"batches=6 start_batch=0", log)
     ended = re.findall(r"stream end: peer=ipv[46]:\S+ transport=inline samples=(\d+) "
@@ -209,9 +234,9 @@ def test_each_stream_logs_one_line_at_open_and_end_and_refusals_are_counted(data
     refused = re.findall(r"stream refused: peer=ipv[46]:\S+ status=(\w+): (.*)", log)
     assert [(code, "batch_size" in why or "list_file" in why) for code, why in refused] == \
         [("INVALID_ARGUMENT", True), ("NOT_FOUND", True)]
-    assert _value(text, "gpufeed_streams_refused_total", code="INVALID_ARGUMENT") == 1
-    assert _value(text, "gpufeed_streams_refused_total", code="NOT_FOUND") == 1
-    assert _value(text, "gpufeed_streams_refused_total", code="RESOURCE_EXHAUSTED") == 0
+    assert _value(added, "gpufeed_streams_refused_total", code="INVALID_ARGUMENT") == 1
+    assert _value(added, "gpufeed_streams_refused_total", code="NOT_FOUND") == 1
+    assert _value(added, "gpufeed_streams_refused_total", code="RESOURCE_EXHAUSTED") == 0
 
 
 def test_log_level_warning_keeps_only_refusals(data_root):
@@ -227,11 +252,12 @@ def test_log_level_warning_keeps_only_refusals(data_root):
     assert "stream refused:" in log and "stream open:" not in log and "stream end:" not in log
 
 
-def test_promtool_accepts_the_exposition(data_root):
+def test_promtool_accepts_the_exposition(data_root, metrics_server):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (.ci/test installs Debian's prometheus)")
-    with _metrics_server(data_root) as (server, metrics), FeedClient(server.address) as client:
+    server, metrics = metrics_server
+    with FeedClient(server.address) as client:
         _run_pass(client, data_root, "inline")
         text = _scrape(metrics)
     check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
@@ -271,16 +297,18 @@ def test_trainer_wait_counts_only_reported_waits():
 
 
 @pytest.mark.parametrize("transport", ["inline", "shm"])
-def test_trainer_wait_arrives_from_the_real_client(data_root, transport):
+def test_trainer_wait_arrives_from_the_real_client(data_root, metrics_server, transport):
     """One reported wait per batch the client received. The server must read the
     releases of all but the last two batches (it has two slots); those two may
     reach it after it ended the call, hence the range."""
-    with _metrics_server(data_root) as (server, metrics), FeedClient(server.address) as client:
+    server, metrics = metrics_server
+    counts = _Counts(metrics)
+    with FeedClient(server.address) as client:
         got = _run_pass(client, data_root, transport)
-        text = _scrape(metrics)
-    waits = _value(text, "gpufeed_trainer_wait_seconds_count", transport=transport)
+    _, added = counts.added()
+    waits = _value(added, "gpufeed_trainer_wait_seconds_count", transport=transport)
     assert got["batches"] - 2 <= waits <= got["batches"]
-    assert _value(text, "gpufeed_trainer_wait_seconds_sum", transport=transport) > 0
+    assert _value(added, "gpufeed_trainer_wait_seconds_sum", transport=transport) > 0
 
 
 def test_failures_are_counted_by_their_wire_category():
@@ -294,19 +322,22 @@ def test_failures_are_counted_by_their_wire_category():
 
 
 @pytest.mark.slow
-def test_prometheus_scrapes_the_live_server(data_root, tmp_path):
-    """Debian's real prometheus scrapes the server; its API returns the client's count,
-    and evaluates every query of the Grafana dashboard without error."""
+def test_prometheus_scrapes_the_live_server(data_root, metrics_server, tmp_path):
+    """Debian's real prometheus scrapes the server; its API returns the server's count
+    (the counters test checks that against the client's), and evaluates every query of
+    the Grafana dashboard without error."""
     prometheus = shutil.which("prometheus")
     if prometheus is None:
         pytest.skip("Debian's prometheus is not installed (.ci/test installs it with apt-get)")
-    with _metrics_server(data_root) as (server, metrics), FeedClient(server.address) as client:
-        got = _run_pass(client, data_root, "inline")
+    server, metrics = metrics_server
+    with FeedClient(server.address) as client:
+        _run_pass(client, data_root, "inline")
+        samples = _value(_scrape(metrics), "gpufeed_samples_total", transport="inline")
         api = _start_prometheus(prometheus, metrics, tmp_path)
         try:
             query = 'gpufeed_samples_total{transport="inline",job="gpufeed"}'
-            _poll(lambda: _query_values(api.address, query) == [got["samples"]],
-                  f"prometheus to report {query} == {got['samples']}", api.process)
+            _poll(lambda: _query_values(api.address, query) == [samples],
+                  f"prometheus to report {query} == {samples:g}", api.process)
             # Every panel query, for all servers (the variable's "All") and for this
             # one, evaluates and returns data once Prometheus has two scrapes to rate.
             for expr in _dashboard_exprs():
