@@ -116,8 +116,9 @@ def test_a_loader_not_iterated_past_the_lease_timeout_is_quiet_and_whole(
         idle = feed.loader(files=files, batch_size=4, size=(8, 8), prefetch=1,
                            transport=transport)
         # The server ends the unread stream 0.5 s after it fills its slots.
-        assert wait_until(lambda: any("stream end" in line for line in server.log[logged:]),
-                          30), "".join(server.log[logged:])
+        assert wait_until(lambda: any("stream end" in line and "lease timeout" in line
+                                      for line in server.log[logged:]), 30), \
+            "".join(server.log[logged:])
         with caplog.at_level("INFO", logger="gpufeed"):
             got = [{k: t.clone() for k, t in b.items()} for b in idle]
         want = list(feed.loader(files=files, batch_size=4, size=(8, 8), copy=True))
