@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from forked_servers import ForkServer
 from gpufeed.server.demo import encode_jpeg, synthetic_photo
 from gpufeed.server.process import ServerProcess
 
 NUM_IMAGES = 300
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _servers_forked_from_one_that_imported_torch():
+    """Servers start as forks of a process that has imported torch (tests/forked_servers.py
+    says why, and what differs); ``GPUFEED_TEST_FORK_SERVERS=0`` starts them plainly."""
+    if os.environ.get("GPUFEED_TEST_FORK_SERVERS") == "0":
+        yield
+        return
+    plain = ServerProcess.spawn
+    forks = ForkServer(plain)
+    ServerProcess.spawn = staticmethod(forks.spawn)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ServerProcess.spawn = staticmethod(plain)  # type: ignore[method-assign]
+        forks.close()
 
 
 @pytest.fixture(scope="session")

@@ -35,11 +35,19 @@ class ServerProcess:
         self.address = ""
         self.proc: subprocess.Popen[str] | None = None  # set by start
 
+    @staticmethod
+    def spawn(args: list[str], env: dict[str, str], cwd: str | None,
+              prefix: Sequence[str]) -> subprocess.Popen[str]:
+        """``python -m gpufeed.server ARGS``, its stderr a text pipe. The tests replace it
+        with one that forks servers from a process that has imported torch
+        (tests/forked_servers.py): a hundred imports of torch are most of their time."""
+        return subprocess.Popen([*prefix, sys.executable, "-m", "gpufeed.server", *args],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd=cwd)
+
     def start(self) -> ServerProcess:
-        self.proc = proc = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "gpufeed.server", *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(self.env or {})}, cwd=self.cwd)
+        self.proc = proc = self.spawn(self.args, {**os.environ, **(self.env or {})}, self.cwd,
+                                      self.prefix)
         assert proc.stderr is not None, "stderr=PIPE makes a pipe"
         ready = threading.Event()
         threading.Thread(target=self._drain, args=(proc.stderr, ready), daemon=True).start()
