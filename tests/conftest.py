@@ -78,7 +78,12 @@ def feed(server):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` run only where torch sees a CUDA device."""
+    """Modules with a ``slow`` test first, so that no worker of ``.ci/test`` is left
+    running one alone at the end (run with ``--no-loadscope-reorder``, which keeps this
+    order). Tests marked ``cuda`` run only where torch sees a CUDA device."""
+    slow = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow)  # stable: each module's order kept
+
     import torch
 
     if torch.cuda.is_available():
