@@ -54,12 +54,22 @@ def test_the_dry_run_does_every_step_and_reports_what_the_device_tool_fetches(tm
     if not torch.cuda.is_available():
         assert tests["skipped"] == tests["tests"]
 
+    # The dry run's bench: the CPU row, and the cuda_ipc row saying why it cannot run.
     rows = report["bench"]["rows"]
+    assert set(rows) == {"gpufeed-shm-rrc-u8", "gpufeed-cuda-rrc-u8"}
     cpu_row = rows["gpufeed-shm-rrc-u8"]
     assert cpu_row["status"] == "ok" and cpu_row["images"] == cpu_row["expected"] == 48
     assert cpu_row["trainer_cpu_ms_per_batch"] > 0
     if not torch.cuda.is_available():
-        for row in _GPU_ROWS:
-            assert rows[row]["status"] == "unavailable", (row, rows[row])
+        assert rows["gpufeed-cuda-rrc-u8"]["status"] == "unavailable"
         assert rows["gpufeed-cuda-rrc-u8"]["note"] == "no CUDA device"
         assert {t["verdict"] for t in report["targets"]} == {"not measured"}
+
+
+def test_the_device_checks_rows_are_the_benchs():
+    """Rows the dry run leaves out are still rows bench.run knows, with a GPU to ask for."""
+    from bench import worker
+    from bench.gpu import check
+
+    assert set(check._ROWS) <= set(worker.ROWS)
+    assert _GPU_ROWS <= set(check._ROWS)
