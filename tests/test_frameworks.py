@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 
 import accelerate
-import lightning
 import pytest
 import torch
 
@@ -42,23 +41,35 @@ def _check_epochs(epochs: dict[int, list[int]]) -> None:
     assert epochs[0] != epochs[1]  # a new order
 
 
-class _Tiny(lightning.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(3, 1)
-        self.seen: dict[int, list[int]] = {}
+@pytest.fixture(scope="module")
+def lightning():
+    """Imported by the tests that use it, not at collection: lightning imports
+    torch._dynamo and sympy, ~3.5 CPU-s in every pytest worker that collects this file."""
+    import lightning
 
-    def training_step(self, batch, batch_idx):
-        self.seen.setdefault(self.current_epoch, []).extend(batch["index"].tolist())
-        return self.layer(batch["image"].float().mean(dim=(2, 3))).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+    return lightning
 
 
-def test_lightning_fit_gets_a_new_order_each_epoch(feed, image_names):
+def _tiny(lightning):
+    class Tiny(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+            self.seen: dict[int, list[int]] = {}
+
+        def training_step(self, batch, batch_idx):
+            self.seen.setdefault(self.current_epoch, []).extend(batch["index"].tolist())
+            return self.layer(batch["image"].float().mean(dim=(2, 3))).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Tiny()
+
+
+def test_lightning_fit_gets_a_new_order_each_epoch(lightning, feed, image_names):
     loader = _loader(feed, image_names)
-    model = _Tiny()
+    model = _tiny(lightning)
     trainer = lightning.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False)
@@ -112,34 +123,40 @@ class _Crash(Exception):
     """The trainer process dying, just after a checkpoint."""
 
 
-class _Recorder(lightning.LightningModule):
-    def __init__(self, crash_at: tuple[int, str] | None = None):
-        super().__init__()
-        self.layer = torch.nn.Linear(3, 1)
-        self.seen: _Epochs = {}
-        self._crash_at = crash_at  # (global step, checkpoint path)
+def _recorder(lightning, crash_at: tuple[int, str] | None):
+    """A module that notes each epoch's batches; at ``crash_at`` (global step, path) it
+    saves a checkpoint and dies."""
 
-    def training_step(self, batch, batch_idx):
-        _note(self.seen, self.current_epoch, batch)
-        return self.layer(batch["image"].float().mean(dim=(2, 3))).mean()
+    class Recorder(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+            self.seen: _Epochs = {}
 
-    def validation_step(self, batch, batch_idx):
-        pass
+        def training_step(self, batch, batch_idx):
+            _note(self.seen, self.current_epoch, batch)
+            return self.layer(batch["image"].float().mean(dim=(2, 3))).mean()
 
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        if self._crash_at and self.trainer.global_step == self._crash_at[0]:
-            self.trainer.save_checkpoint(self._crash_at[1])  # a mid-epoch checkpoint
-            raise _Crash
+        def validation_step(self, batch, batch_idx):
+            pass
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if crash_at and self.trainer.global_step == crash_at[0]:
+                self.trainer.save_checkpoint(crash_at[1])  # a mid-epoch checkpoint
+                raise _Crash
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Recorder()
 
 
-def _fit(feed, image_names, folder, max_epochs: int, ckpt_path=None, crash_at=None) -> _Epochs:
+def _fit(lightning, feed, image_names, folder, max_epochs: int, ckpt_path=None,
+         crash_at=None) -> _Epochs:
     """One trainer process: a fresh loader, as a restarted job makes; a checkpoint at
     every epoch's end (``epoch=N.ckpt``); 3 of the loader's 6 batches an epoch, so every
     pass is left early, and an evaluation loader beside it."""
-    model = _Recorder(crash_at)
+    model = _recorder(lightning, crash_at)
     trainer = lightning.Trainer(
         max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, limit_train_batches=3,
@@ -156,18 +173,18 @@ def _fit(feed, image_names, folder, max_epochs: int, ckpt_path=None, crash_at=No
 
 
 def test_lightning_resumed_at_an_epoch_end_or_inside_one_runs_as_if_never_stopped(
-        feed, image_names, tmp_path):
-    whole = _fit(feed, image_names, tmp_path / "whole", _EPOCHS)
+        lightning, feed, image_names, tmp_path):
+    whole = _fit(lightning, feed, image_names, tmp_path / "whole", _EPOCHS)
     # Stopped after epoch 1: Lightning restores nothing into the new loader and sets
     # epoch 2 through loader.sampler.
-    first = _fit(feed, image_names, tmp_path / "first", 2)
-    then = _fit(feed, image_names, tmp_path / "first", _EPOCHS,
+    first = _fit(lightning, feed, image_names, tmp_path / "first", 2)
+    then = _fit(lightning, feed, image_names, tmp_path / "first", _EPOCHS,
                 ckpt_path=tmp_path / "first" / "epoch=1.ckpt")
     # Stopped after epoch 2's second batch (global step 3 + 3 + 2): load_state_dict,
     # then set_epoch(2) again, which keeps the position.
-    crashed = _fit(feed, image_names, tmp_path / "crashed", _EPOCHS,
+    crashed = _fit(lightning, feed, image_names, tmp_path / "crashed", _EPOCHS,
                    crash_at=(8, str(tmp_path / "mid.ckpt")))
-    after = _fit(feed, image_names, tmp_path / "crashed", _EPOCHS,
+    after = _fit(lightning, feed, image_names, tmp_path / "crashed", _EPOCHS,
                  ckpt_path=tmp_path / "mid.ckpt")
     assert len(crashed[2]) == 2 and len(after[2]) == 1
     _check_same_run(whole, {**first, **then},
