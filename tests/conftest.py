@@ -59,14 +59,28 @@ def server(data_dir):
         yield proc
 
 
+def _start_two(data_dir: Path) -> list[ServerProcess]:
+    """Two servers of data_dir, one decode thread each (tests of several servers)."""
+    return [ServerProcess(["--data-root", str(data_dir), "--threads", "1"]).start()
+            for _ in range(2)]
+
+
 @pytest.fixture()
 def two_servers(data_dir):
-    """Two servers of data_dir, one decode thread each (tests of several servers)."""
-    servers = [ServerProcess(["--data-root", str(data_dir), "--threads", "1"]).start()
-               for _ in range(2)]
+    """A test's own two servers: it may kill them."""
+    servers = _start_two(data_dir)
     yield servers
     for server in servers:
         server.kill()
+
+
+@pytest.fixture(scope="module")
+def server_pair(data_dir):
+    """Two servers shared by a module's tests that kill neither."""
+    servers = _start_two(data_dir)
+    yield servers
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture()

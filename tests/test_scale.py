@@ -17,18 +17,8 @@ def _indices(loader) -> list[int]:
     return [i for b in loader for i in b["index"].tolist()]
 
 
-@pytest.fixture(scope="module")
-def pair(data_dir):
-    """Two servers of data_dir, one decode thread each, for the tests that kill neither."""
-    servers = [ServerProcess(["--data-root", str(data_dir), "--threads", "1"]).start()
-               for _ in range(2)]
-    yield servers
-    for server in servers:
-        server.stop()
-
-
-def test_an_epoch_spread_over_two_servers(pair, image_names):
-    two_servers = pair
+def test_an_epoch_spread_over_two_servers(server_pair, image_names):
+    two_servers = server_pair
     files = image_names[:100]
     with FeedClient([s.address for s in two_servers]) as feed:
         loader = feed.loader(files=files, batch_size=8, size=(16, 16), shuffle=True, seed=4,
@@ -60,14 +50,14 @@ def test_a_server_killed_mid_epoch_has_its_batches_made_by_the_other(two_servers
 
 
 @pytest.mark.parametrize("saved_on, resumed_on", [(2, 2), (1, 2), (2, 1)])
-def test_a_position_resumes_with_another_number_of_servers(pair, image_names, saved_on,
+def test_a_position_resumes_with_another_number_of_servers(server_pair, image_names, saved_on,
                                                            resumed_on):
     """The pass's order does not depend on the number of servers, and the position is
     counted in samples of it: save with one server, resume with two (and back), or
     with two and two."""
     options = dict(files=image_names[:100], batch_size=8, size=(8, 8), shuffle=True, seed=6,
                    epoch=3)
-    addresses = [s.address for s in pair]
+    addresses = [s.address for s in server_pair]
     with FeedClient(addresses[:saved_on]) as feed:
         full = _indices(feed.loader(**options))
         partial = feed.loader(**options)
