@@ -94,13 +94,22 @@ def test_a_batch_of_regions_is_pillows_crop_and_resize():
 def test_what_nvimgcodec_cannot_read_is_handed_back():
     rng = np.random.default_rng(1)
     good = _jpeg(rng, 80, 90)
-    jobs = [Deferred(0, good, (0.0, 0.0, 80.0, 90.0), False, (80, 90)),
+    # A thumbnail in an APP1 segment, as cameras write one, ends with an end-of-image
+    # marker of its own: cut after it, the file still lacks the end of its own scan.
+    thumbnail = _jpeg(rng, 8, 8)
+    framed = (good[:2] + b"\xff\xe1" + (len(thumbnail) + 2).to_bytes(2, "big") + thumbnail
+              + good[2:])
+    whole = (0.0, 0.0, 80.0, 90.0)
+    jobs = [Deferred(0, good, whole, False, (80, 90)),
             Deferred(1, b"\xff\xd8\xff" + b"junk" * 40, (0.0, 0.0, 10.0, 10.0), False, (10, 10)),
-            Deferred(2, good[:len(good) // 3], (0.0, 0.0, 80.0, 90.0), False, (80, 90)),
-            Deferred(3, good, (0.0, 0.0, 40.0, 40.0), False, (40, 45))]  # a size that lies
-    out = np.zeros((4, 3, *SIZE), np.uint8)
+            Deferred(2, good[:len(good) // 3], whole, False, (80, 90)),
+            Deferred(3, good, (0.0, 0.0, 40.0, 40.0), False, (40, 45)),  # a size that lies
+            Deferred(4, framed[:len(thumbnail) + 40 + len(good) // 2], whole, False, (80, 90)),
+            Deferred(5, framed + b"\0" * 64, whole, False, (80, 90))]  # padded after its end
+    out = np.zeros((6, 3, *SIZE), np.uint8)
     left = BatchJpegDecoder(torch.device("cpu")).decode(jobs, out)
-    assert {job.row for job in left} >= {1, 3} and 0 not in {job.row for job in left}
+    assert {job.row for job in left} == {1, 2, 3, 4}  # junk, cut short, a size that lies
+    assert np.array_equal(out[5], out[0])
     assert np.abs(out[0].astype(np.int16) - _pillow(good, jobs[0].box, False)).max() <= _LEVELS
 
 
@@ -210,8 +219,8 @@ def test_on_the_gpu_a_batch_of_regions_is_pillows_crop_and_resize():
     rng = np.random.default_rng(5)
     decoder = BatchJpegDecoder(torch.device("cuda:0"))
     data = _jpeg(rng, 300, 400)
-    jobs = [Deferred(row, data, (float(10 * row), float(5 * row), 200.0, 250.0), row % 2 == 1,
-                     (300, 400)) for row in range(16)]
+    jobs = [Deferred(row, data, (float(6 * row), float(9 * row), 200.0, 250.0), row % 2 == 1,
+                     (300, 400)) for row in range(16)]  # boxes within the 300 x 400 image
     out = np.full((16, 3, *SIZE), 0xAB, np.uint8)
     assert decoder.decode(jobs, out) == []
     for job in jobs:

@@ -65,6 +65,14 @@ def test_the_dry_run_does_every_step_and_reports_what_the_device_tool_fetches(tm
         assert rows["gpufeed-cuda-rrc-u8"]["note"] == "no CUDA device"
         assert {t["verdict"] for t in report["targets"]} == {"not measured"}
 
+    # The probe of nvImageCodec's configurations ran on the bench's JPEGs (on its CPU
+    # backend here), each configuration decoding every image it was given.
+    probe = report["probe"]
+    assert probe["status"] == "ok", probe
+    for name, found in probe["configs"].items():
+        assert found["status"] == "ok" and found["images_per_second"] > 0, (name, found)
+        assert found["not_decoded"] == 0, (name, found)
+
 
 def test_the_device_checks_rows_are_the_benchs():
     """Rows the dry run leaves out are still rows bench.run knows, with a GPU to ask for."""

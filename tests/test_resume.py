@@ -54,7 +54,10 @@ def feed(tmp_path_factory):
     for i in range(ARRAYS):
         np.save(root / "arr" / f"{i:02d}.npy", rng.standard_normal((2, 5)).astype(np.float32))
     write_shards(root / "shards", SHARD_COUNTS)
-    with ServerProcess(["--data-root", str(root), "--threads", "2"]) as server, \
+    # Where there is a GPU the server assembles batches on it, so that it offers cuda_ipc
+    # beside inline and shm.
+    device = ["--device", "cuda:0"] if torch.cuda.is_available() else []
+    with ServerProcess(["--data-root", str(root), "--threads", "2", *device]) as server, \
             FeedClient(server.address) as client:
         yield client
 

@@ -15,7 +15,9 @@ when one before it failed, so a single run of a few minutes brings back all it c
 3. the GPU bench (``bench.run``): the training crop (random-resized crop + flip,
    224 x 224 uint8) delivered to the trainer's GPU by gpufeed (shm and the
    trainer's own copy; cuda_ipc; ``--decoder nvimgcodec``), by torchvision on the
-   GPU, and nvImageCodec's own ceiling, with every decode thread the machine has.
+   GPU, and nvImageCodec's own ceiling, with every decode thread the machine has;
+4. nvImageCodec's decode alone in the configurations the server could use
+   (``bench.gpu.probe``), on the bench's JPEGs.
 
 It ends with ``device-check.json`` and a short table of the GPU decode's targets
 (a ratio is only ever taken between rows of the same run). ``--dry-run`` is the
@@ -66,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="where bench.run builds or reuses its JPEG set (default bench/data)")
     p.add_argument("--tests-timeout", type=float, default=200.0)
     p.add_argument("--bench-timeout", type=float, default=300.0)
+    p.add_argument("--rows", default=",".join(_ROWS),
+                   help="the bench rows, comma-separated (default: all of them)")
+    p.add_argument("--probe-timeout", type=float, default=150.0)
     return p
 
 
@@ -77,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"] = _step("machine", _machine)
     report["tests"] = _step("tests", _tests, args.out, args.dry_run, args.tests_timeout)
     report["bench"] = _step("bench", _bench, args.out, args.data_dir, args.dry_run,
-                            args.bench_timeout)
+                            args.rows.split(","), args.bench_timeout)
+    report["probe"] = _step("probe", _probe, args.out, report["bench"].get("data_set"),
+                            args.dry_run, args.probe_timeout)
     report["targets"] = _targets(report["bench"].get("rows", {}))
     report["seconds"] = round(time.monotonic() - started, 1)
     (args.out / "device-check.json").write_text(json.dumps(report, indent=1))
@@ -172,12 +179,13 @@ def _tests(out: Path, dry_run: bool, timeout: float) -> dict:
             "passed_all": code == 0 and not failed}
 
 
-def _bench(out: Path, data_dir: Path, dry_run: bool, timeout: float) -> dict:
+def _bench(out: Path, data_dir: Path, dry_run: bool, rows: list[str], timeout: float) -> dict:
     size = ["--images", "48", "--passes", "1", "--batch-size", "8", "--size", "64", "--warmup",
             "1", "--threads", "2"] if dry_run else ["--passes", "5"]  # 2000 images, every core
     # A dry run: the CPU row, and one GPU row to say "no CUDA device" (each row is a
     # process that imports torch; the others would say the same).
-    rows = [_ROWS[0], _ROWS[2]] if dry_run else _ROWS
+    if dry_run:
+        rows = [_ROWS[0], _ROWS[2]]
     argv = [sys.executable, "-m", "bench.run", "--rows", ",".join(rows), "--psnr-images", "0",
             "--row-timeout", "120", "--data-dir", str(data_dir), "--out", str(out), *size]
     try:
@@ -193,6 +201,24 @@ def _bench(out: Path, data_dir: Path, dry_run: bool, timeout: float) -> dict:
     rows = {r["row"]: {k: r.get(k) for k in keys} for r in report["rows"]}
     return {"status": "ok", "data_set": report["data_set"], "config": report["config"],
             "rows": rows}
+
+
+def _probe(out: Path, data_set: dict | None, dry_run: bool, timeout: float) -> dict:
+    if not data_set:
+        return {"status": "not run", "note": "the bench built no data set"}
+    found = out / "probe.json"
+    seconds = ["--seconds", "0.3", "--configs", "default-roi-b32,default-roi-b32-x4-t4"] \
+        if dry_run else []
+    argv = [sys.executable, "-m", "bench.gpu.probe", "--data", data_set["root"],
+            "--out", str(found), *seconds]
+    try:
+        code = subprocess.run(argv, cwd=_ROOT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return {"status": "timed out", "note": f"the probe ran past {timeout:g} s; the log has "
+                                               "each configuration's result so far"}
+    if code != 0 or not found.exists():
+        return {"status": "error", "exit_code": code}
+    return {"status": "ok", "configs": json.loads(found.read_text())}
 
 
 def _targets(rows: dict) -> list[dict]:

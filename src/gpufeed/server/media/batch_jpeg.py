@@ -19,9 +19,9 @@ resizing the same box. It agrees as closely with the CPU path where that decodes
 at full scale; where the box is twice the output or more, the CPU path lets
 libjpeg shrink it in the IDCT (a coarser filter, ~30 dB against Pillow), and this
 path, decoding the region at full scale, is the closer of the two. What this path
-does not take (another format, a CMYK or YCCK JPEG) or cannot decode (a broken
-file) is decoded by the CPU path from the same bytes, so it comes out, or fails,
-exactly as without the flag.
+does not take (another format, a CMYK or YCCK JPEG, a file cut short) or cannot
+decode (a broken file) is decoded by the CPU path from the same bytes, so it comes
+out, or fails, exactly as without the flag.
 """
 
 from __future__ import annotations
@@ -136,6 +136,31 @@ def resample_weights(start: float, length: float, size: int, out: int
     return weights.astype(np.float32), first, last
 
 
+def _whole(data: bytes) -> bool:
+    """Whether a JPEG's compressed data ends: an end-of-image marker after its first scan.
+
+    libjpeg-turbo (the CPU path, and nvImageCodec's CPU backend) fails a file cut short;
+    nvJPEG on a GPU fills the missing part and reports success, so a cut file is handed
+    back to the CPU path, which fails it as it would without the flag. The marker
+    segments before the scan are walked by their lengths (a thumbnail in an APP segment
+    has an end marker of its own); inside the scan a 0xFF byte is followed by 0x00 or a
+    restart marker, so the first FF D9 after it is the end."""
+    at = 2
+    while at + 4 <= len(data):
+        if data[at] != 0xFF:
+            return False
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+        elif marker == 0xDA:  # start of scan
+            return data.find(b"\xff\xd9", at + 2) != -1
+        elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # markers without a length
+            at += 2
+        else:
+            at += 2 + int.from_bytes(data[at + 2:at + 4], "big")
+    return False
+
+
 class BatchJpegDecoder:
     """One decode thread's nvImageCodec decoder, on ``device`` (a GPU, or the CPU
     backend), with its own CUDA stream so that threads decode at once."""
@@ -173,6 +198,9 @@ class BatchJpegDecoder:
             top, left, box_h, box_w = job.box
             ys = resample_weights(top, box_h, job.size[0], height)
             xs = resample_weights(left, box_w, job.size[1], width)
+            if not _whole(job.data):  # nvJPEG on a GPU decodes a cut file without a word
+                failed.append(job)
+                continue
             try:
                 code = nvimgcodec.CodeStream(job.data)
                 # A header that disagrees with the one read, or CMYK / YCCK (4 channels),
