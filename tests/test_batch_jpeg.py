@@ -24,7 +24,8 @@ from PIL import Image
 from gpufeed.client import FeedClient, Field
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.media import batch_jpeg, jpeg
-from gpufeed.server.media.batch_jpeg import BatchJpegDecoder, Deferred, resample_weights
+from gpufeed.server.media.batch_jpeg import (BatchJpegDecoder, Deferred, crop_taps,
+                                             resample_weights)
 from gpufeed.server.media.draws import sample_draws
 from gpufeed.server.media.output import OutputTransform
 from gpufeed.server.process import ServerProcess
@@ -56,12 +57,25 @@ def _pillow(data: bytes, box, flip: bool, size=SIZE) -> np.ndarray:
 
 
 def test_the_weights_are_the_cpu_paths_filter():
-    for start, length, size, out in [(0.0, 100.0, 100, 40), (10.3, 37.7, 60, 224),
-                                     (0.0, 5.0, 5, 64), (99.2, 0.8, 100, 3), (0.0, 1.0, 1, 7)]:
-        weights, first, last = resample_weights(start, length, size, out)
-        assert weights.shape == (out, last - first) and 0 <= first < last <= size
-        np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+    """Boxes that grow and shrink, touch the edges, or are under a pixel, weighed a batch
+    at once: each output pixel's weights sum to 1 over pixels inside the image and inside
+    the box's own reach, and a box's weights do not depend on the batch it is in."""
+    cases = [(0.0, 100.0, 100), (10.3, 37.7, 60), (0.0, 5.0, 5), (99.2, 0.8, 100), (0.0, 1.0, 1)]
+    starts, lengths, sizes = (np.array(column) for column in zip(*cases))
+    for out in (3, 40, 224):
+        taps = crop_taps(starts, lengths, sizes, out)
+        span = int((taps.last - taps.first).max())
+        weights = resample_weights(taps, span + 3, torch.device("cpu")).numpy()
+        assert weights.shape == (len(cases), out, span + 3)
+        np.testing.assert_allclose(weights.sum(axis=2), 1.0, rtol=1e-6)
         assert (weights >= 0).all()
+        for k, size in enumerate(sizes):
+            first, last = taps.first[k], taps.last[k]
+            assert 0 <= first < last <= size
+            assert not weights[k, :, last - first:].any()  # nothing past the box's reach
+            alone = crop_taps(starts[k:k + 1], lengths[k:k + 1], sizes[k:k + 1], out)
+            np.testing.assert_array_equal(
+                resample_weights(alone, span + 3, torch.device("cpu")).numpy()[0], weights[k])
 
 
 def test_a_batch_of_regions_is_pillows_crop_and_resize():

@@ -17,7 +17,8 @@ when one before it failed, so a single run of a few minutes brings back all it c
    trainer's own copy; cuda_ipc; ``--decoder nvimgcodec``), by torchvision on the
    GPU, and nvImageCodec's own ceiling, with every decode thread the machine has;
 4. nvImageCodec's decode alone in the configurations the server could use
-   (``bench.gpu.probe``), on the bench's JPEGs.
+   (``bench.gpu.probe``), and where a batch's time goes after it
+   (``bench.gpu.stages``), on the bench's JPEGs.
 
 It ends with ``device-check.json`` and a short table of the GPU decode's targets
 (a ratio is only ever taken between rows of the same run). ``--dry-run`` is the
@@ -68,9 +69,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="where bench.run builds or reuses its JPEG set (default bench/data)")
     p.add_argument("--tests-timeout", type=float, default=200.0)
     p.add_argument("--bench-timeout", type=float, default=300.0)
+    p.add_argument("--tests", default=",".join(_TESTS),
+                   help="the test modules, comma-separated (default: the three)")
     p.add_argument("--rows", default=",".join(_ROWS),
                    help="the bench rows, comma-separated (default: all of them)")
-    p.add_argument("--probe-timeout", type=float, default=150.0)
+    p.add_argument("--probe", default="",
+                   help="the probe's configurations, comma-separated (default: all; none: "
+                        "skip the probe, not the stages)")
+    p.add_argument("--probe-timeout", type=float, default=200.0)
     return p
 
 
@@ -80,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     report: dict = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dry_run": args.dry_run}
     report["machine"] = _step("machine", _machine)
-    report["tests"] = _step("tests", _tests, args.out, args.dry_run, args.tests_timeout)
+    report["tests"] = _step("tests", _tests, args.out, args.tests.split(","), args.dry_run,
+                            args.tests_timeout)
     report["bench"] = _step("bench", _bench, args.out, args.data_dir, args.dry_run,
                             args.rows.split(","), args.bench_timeout)
     report["probe"] = _step("probe", _probe, args.out, report["bench"].get("data_set"),
-                            args.dry_run, args.probe_timeout)
+                            args.probe, args.dry_run, args.probe_timeout)
     report["targets"] = _targets(report["bench"].get("rows", {}))
     report["seconds"] = round(time.monotonic() - started, 1)
     (args.out / "device-check.json").write_text(json.dumps(report, indent=1))
@@ -149,13 +156,13 @@ def _command(argv: list[str]) -> str:
         return f"{argv[0]}: {e}"
 
 
-def _tests(out: Path, dry_run: bool, timeout: float) -> dict:
+def _tests(out: Path, modules: list[str], dry_run: bool, timeout: float) -> dict:
     junit = out / "junit.xml"
     # A dry run collects every module from the laid-out copy but runs only the CUDA
     # tests, which skip without a device: the suite runs the rest from the checkout.
     only = ["-m", "cuda"] if dry_run else []
     argv = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "timeout=120",
-            f"--junitxml={junit}", *only, *_TESTS]
+            f"--junitxml={junit}", *only, *modules]
     try:
         code = subprocess.run(argv, cwd=_ROOT, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
@@ -203,22 +210,35 @@ def _bench(out: Path, data_dir: Path, dry_run: bool, rows: list[str], timeout: f
             "rows": rows}
 
 
-def _probe(out: Path, data_set: dict | None, dry_run: bool, timeout: float) -> dict:
+def _probe(out: Path, data_set: dict | None, configs: str, dry_run: bool, timeout: float
+           ) -> dict:
     if not data_set:
         return {"status": "not run", "note": "the bench built no data set"}
-    found = out / "probe.json"
-    seconds = ["--seconds", "0.3", "--configs", "default-roi-b32,default-roi-b32-x4-t4"] \
-        if dry_run else []
-    argv = [sys.executable, "-m", "bench.gpu.probe", "--data", data_set["root"],
-            "--out", str(found), *seconds]
+    began = time.monotonic()
+    found: dict = {"status": "ok"}
+    if configs != "none":
+        if dry_run:
+            configs = configs or "default-roi-b32,default-roi-b32-x4-t4"
+        written = out / "probe.json"
+        argv = [sys.executable, "-m", "bench.gpu.probe", "--data", data_set["root"],
+                "--out", str(written), *(["--seconds", "0.3"] if dry_run else []),
+                *(["--configs", configs] if configs else [])]
+        try:
+            code = subprocess.run(argv, cwd=_ROOT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return {"status": "timed out", "note": f"the probe ran past {timeout:g} s; the log "
+                                                   "has each configuration's result so far"}
+        if code != 0 or not written.exists():
+            return {"status": "error", "exit_code": code}
+        found["configs"] = json.loads(written.read_text())
+    # Where the time goes after the decode: its lines are in the log.
+    left = max(timeout - (time.monotonic() - began), 1.0)
+    argv = [sys.executable, "-m", "bench.gpu.stages", "--data", data_set["root"]]
     try:
-        code = subprocess.run(argv, cwd=_ROOT, timeout=timeout).returncode
+        found["stages_exit_code"] = subprocess.run(argv, cwd=_ROOT, timeout=left).returncode
     except subprocess.TimeoutExpired:
-        return {"status": "timed out", "note": f"the probe ran past {timeout:g} s; the log has "
-                                               "each configuration's result so far"}
-    if code != 0 or not found.exists():
-        return {"status": "error", "exit_code": code}
-    return {"status": "ok", "configs": json.loads(found.read_text())}
+        found["stages_exit_code"] = "timed out"
+    return found
 
 
 def _targets(rows: dict) -> list[dict]:

@@ -39,7 +39,8 @@ import torch
 
 from .output import Box
 
-__all__ = ["BatchJpegDecoder", "Deferred", "describe", "load", "resample_weights", "takes"]
+__all__ = ["BatchJpegDecoder", "Deferred", "Taps", "crop_taps", "describe", "load",
+           "resample_weights", "takes"]
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -108,32 +109,72 @@ class Deferred:
     size: tuple[int, int]  # the source's (height, width), as its header declares
 
 
-def resample_weights(start: float, length: float, size: int, out: int
-                     ) -> tuple[np.ndarray, int, int]:
-    """The weights that resample source pixels [first, last) of an axis of ``size`` to
-    ``out`` pixels over the window [start, start + length): float32 [out, last - first],
-    each row summing to 1. The CPU path's filter (_jpeg.c's ``axis_make``): a triangle
-    one (widened) pixel either side of each output pixel's centre, clipped to the
-    image; an output pixel whose taps all fall outside takes the nearest pixel."""
-    scale = length / out
-    widen = max(scale, 1.0)
-    centre = start + (np.arange(out) + 0.5) * scale
-    lo = np.maximum(np.floor(centre - widen + 0.5).astype(np.int64), 0)
-    hi = np.minimum(np.floor(centre + widen + 0.5).astype(np.int64), size)
-    hi = np.minimum(hi, lo + int(np.ceil(widen)) * 2 + 2)
+@dataclass
+class Taps:
+    """Where each output pixel of one axis of a batch's boxes reads its source pixels
+    (_jpeg.c's ``axis_make``): output pixel j of box k takes source pixels
+    [lo[k, j], hi[k, j]), weighted by a triangle about ``centre[k, j]`` that is
+    ``widen[k]`` pixels wide either side. Box k reads [first[k], last[k]) in all."""
+
+    centre: np.ndarray  # float64 [N, out]
+    widen: np.ndarray  # float64 [N]
+    lo: np.ndarray  # int64 [N, out]
+    hi: np.ndarray  # int64 [N, out]
+
+    @property
+    def first(self) -> np.ndarray:
+        return self.lo.min(axis=1)
+
+    @property
+    def last(self) -> np.ndarray:
+        return self.hi.max(axis=1)
+
+
+def crop_taps(starts: np.ndarray, lengths: np.ndarray, sizes: np.ndarray, out: int) -> Taps:
+    """The taps that resample the windows [start, start + length) of axes of ``size``
+    pixels to ``out`` pixels each, a batch at once (float64 / int64 [N] in). The CPU
+    path's filter: a triangle one (widened when shrinking) pixel either side of each
+    output pixel's centre, clipped to the image; an output pixel whose taps all fall
+    outside takes the nearest pixel."""
+    starts, lengths = np.asarray(starts, np.float64), np.asarray(lengths, np.float64)
+    sizes = np.asarray(sizes, np.int64)[:, None]
+    scale = lengths / out
+    widen = np.maximum(scale, 1.0)
+    centre = starts[:, None] + (np.arange(out) + 0.5) * scale[:, None]
+    lo = np.maximum(np.floor(centre - widen[:, None] + 0.5).astype(np.int64), 0)
+    hi = np.minimum(np.floor(centre + widen[:, None] + 0.5).astype(np.int64), sizes)
+    hi = np.minimum(hi, lo + np.ceil(widen).astype(np.int64)[:, None] * 2 + 2)
     edge = hi <= lo
-    lo = np.where(edge, np.where(centre < 0.5, 0, size - 1), lo)
+    lo = np.where(edge, np.where(centre < 0.5, 0, sizes - 1), lo)
     hi = np.where(edge, lo + 1, hi)
-    first, last = int(lo.min()), int(hi.max())
-    x = np.arange(first, last)
-    t = np.abs((x[None, :] + 0.5 - centre[:, None]) / widen)
-    inside = (x[None, :] >= lo[:, None]) & (x[None, :] < hi[:, None])
-    weights = np.where(inside & (t < 1.0), 1.0 - t, 0.0)
-    sums = weights.sum(axis=1)
+    return Taps(centre, widen, lo, hi)
+
+
+def resample_weights(taps: Taps, span: int, device: torch.device) -> torch.Tensor:
+    """The taps' weights on ``device``: float32 [N, out, span], row j of box k weighing
+    source pixels first[k] .. first[k] + span - 1 (``span`` at least the widest box's
+    reach), each row summing to 1 and zero past the box's own last pixel. Computed on the device for
+    the whole batch, in a few kernels: one copy of the taps goes there, not the weights."""
+    count, out = taps.lo.shape
+    first = taps.first
+    # One host-to-device copy: lo, hi and centre as offsets from the box's first pixel
+    # (float32 holds them exactly: images are under 2^24 pixels a side), then widen.
+    packed = np.empty((count, 3 * out + 1), np.float32)
+    packed[:, :out] = taps.lo - first[:, None]
+    packed[:, out:2 * out] = taps.hi - first[:, None]
+    packed[:, 2 * out:3 * out] = taps.centre - first[:, None]
+    packed[:, -1] = taps.widen
+    on = torch.from_numpy(packed).to(device, non_blocking=False)
+    lo, hi, centre = (on[:, k * out:(k + 1) * out, None] for k in range(3))
+    widen = on[:, -1, None, None]
+    x = torch.arange(span, device=device, dtype=torch.float32)
+    inside = (x >= lo) & (x < hi)
+    t = ((x + 0.5 - centre) / widen).abs_()
+    weights = torch.where(inside & (t < 1.0), 1.0 - t, 0.0)
+    sums = weights.sum(dim=2, keepdim=True)
     nearest = sums <= 0
-    weights[nearest] = x[None, :] == lo[nearest, None]
-    weights /= np.where(nearest, 1.0, sums)[:, None]
-    return weights.astype(np.float32), first, last
+    weights = torch.where(nearest, (x == lo).float(), weights / torch.where(nearest, 1.0, sums))
+    return weights
 
 
 def _whole(data: bytes) -> bool:
@@ -169,11 +210,13 @@ class BatchJpegDecoder:
         nvimgcodec = load()
         self.device = device
         if device.type == "cuda":
-            self._decoder = nvimgcodec.Decoder(device_id=device.index or 0)
+            # One CPU thread per decoder: the server runs a decoder on each decode thread,
+            # and nvImageCodec's default (a thread per core each) measured slower.
+            self._decoder = nvimgcodec.Decoder(device_id=device.index or 0, max_num_cpu_threads=1)
             self._stream = torch.cuda.Stream(device)
         else:
             self._decoder = nvimgcodec.Decoder(
-                device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
                 backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)])
             self._stream = None
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
@@ -192,49 +235,74 @@ class BatchJpegDecoder:
 
     def _decode(self, jobs: list[Deferred], out: np.ndarray) -> list[Deferred]:
         nvimgcodec = self._nvimgcodec
+        failed = [job for job in jobs if not _whole(job.data)]  # nvJPEG decodes a cut file
+        jobs = [job for job in jobs if _whole(job.data)]        # without a word: handed back
+        if not jobs:
+            return failed
         height, width = out.shape[2:]
-        regions, axes, taken, failed = [], [], [], []
-        for job in jobs:
-            top, left, box_h, box_w = job.box
-            ys = resample_weights(top, box_h, job.size[0], height)
-            xs = resample_weights(left, box_w, job.size[1], width)
-            if not _whole(job.data):  # nvJPEG on a GPU decodes a cut file without a word
-                failed.append(job)
-                continue
+        boxes = np.array([job.box for job in jobs], np.float64)  # (top, left, height, width)
+        sizes = np.array([job.size for job in jobs], np.int64)
+        ys = crop_taps(boxes[:, 0], boxes[:, 2], sizes[:, 0], height)
+        xs = crop_taps(boxes[:, 1], boxes[:, 3], sizes[:, 1], width)
+        regions, taken = [], []
+        for k, job in enumerate(jobs):
             try:
                 code = nvimgcodec.CodeStream(job.data)
                 # A header that disagrees with the one read, or CMYK / YCCK (4 channels),
                 # which the CPU path converts as it always has: handed back.
                 if (code.height, code.width) != job.size or code.num_channels not in (1, 3):
                     raise ValueError("not for this path")
-                regions.append(code.get_sub_code_stream(
-                    region=nvimgcodec.Region(ys[1], xs[1], ys[2], xs[2])))
+                regions.append(code.get_sub_code_stream(region=nvimgcodec.Region(
+                    ys.first[k], xs.first[k], ys.last[k], xs.last[k])))
             except (RuntimeError, ValueError):  # not a stream nvImageCodec reads
                 failed.append(job)
                 continue
-            axes.append((ys[0], xs[0][::-1].copy() if job.flip else xs[0]))
-            taken.append(job)
-        if not regions:
+            taken.append(k)
+        if not taken:
             return failed
         stream = self._stream.cuda_stream if self._stream is not None else 0
         decoded = self._decoder.decode(regions, params=self._params, cuda_stream=stream)
-        rows, results = [], []
-        for job, image, (wy, wx) in zip(taken, decoded, axes):
-            if image is None:
-                failed.append(job)
+        # Every region into one zero-padded batch, then two batched matrix products.
+        spans = (ys.last - ys.first)[taken], (xs.last - xs.first)[taken]
+        padded = torch.zeros((len(taken), int(spans[0].max()), int(spans[1].max()), 3),
+                             dtype=torch.uint8, device=self.device)
+        kept = []
+        for k, (image, h, w) in enumerate(zip(decoded, *spans)):
+            region = self._tensor(image) if image is not None else None
+            if region is None or tuple(region.shape) != (h, w, 3):
+                failed.append(jobs[taken[k]])
                 continue
-            region = self._tensor(image).permute(2, 0, 1).float()  # [3, h, w]
-            if region.shape[1:] != (wy.shape[1], wx.shape[1]):
-                failed.append(job)
-                continue
-            wy_t = torch.from_numpy(wy).to(self.device, non_blocking=True)
-            wx_t = torch.from_numpy(wx).to(self.device, non_blocking=True)
-            results.append(torch.matmul(torch.matmul(wy_t, region), wx_t.T))
-            rows.append(job.row)
-        if results:
-            pixels = torch.stack(results).round_().clamp_(0, 255).to(torch.uint8)
+            padded[k, :h, :w] = region
+            kept.append(k)
+        if not kept:
+            return failed
+        rows = [jobs[taken[k]].row for k in kept]
+        pick = np.array(taken)[kept]
+        pixels = self._resample(padded[kept], _pick(ys, pick), _pick(xs, pick),
+                                np.array([jobs[i].flip for i in pick]))
+        if rows == list(range(out.shape[0])):
+            torch.from_numpy(out).copy_(pixels)
+        else:
             torch.from_numpy(out)[rows] = pixels.cpu()
         return failed
+
+    def _resample(self, padded: torch.Tensor, ys: Taps, xs: Taps, flips: np.ndarray
+                  ) -> torch.Tensor:
+        """Regions (uint8 [N, h, w, 3], each at the top left, zero-padded) resampled to
+        the output, mirrored where ``flips``: uint8 [N, 3, H, W] on the device."""
+        count, span_h, span_w, _ = padded.shape
+        wy = resample_weights(ys, span_h, self.device)  # [N, H, h]
+        wx = resample_weights(xs, span_w, self.device)  # [N, W, w]
+        if flips.any():
+            flipped = torch.from_numpy(flips).to(self.device)[:, None, None]
+            wx = torch.where(flipped, wx.flip(1), wx)
+        height, width = wy.shape[1], wx.shape[1]
+        # Rows: [N, H, h] x [N, h, w * 3]; then columns: [N, W, w] x [N, w, H * 3].
+        tall = torch.bmm(wy, padded.view(count, span_h, span_w * 3).float())
+        tall = tall.view(count, height, span_w, 3).permute(0, 2, 1, 3).reshape(
+            count, span_w, height * 3)
+        wide = torch.bmm(wx, tall).view(count, width, height, 3)
+        return wide.permute(0, 3, 2, 1).round_().clamp_(0, 255).to(torch.uint8).contiguous()
 
     def _tensor(self, image) -> torch.Tensor:
         """A decoded region as a uint8 [h, w, 3] tensor where it lies (no copy on a GPU)."""
@@ -245,3 +313,7 @@ class BatchJpegDecoder:
                 torch.cuda.current_stream(self.device).synchronize()
                 return torch.as_tensor(image, device=self.device)
         return torch.from_numpy(np.asarray(image.cpu()))
+
+
+def _pick(taps: Taps, rows: np.ndarray) -> Taps:
+    return Taps(taps.centre[rows], taps.widen[rows], taps.lo[rows], taps.hi[rows])

@@ -1,0 +1,149 @@
+"""``python -m bench.gpu.stages``: where a batch's time goes after nvImageCodec decodes it.
+
+The device check's probe found nvImageCodec's batched region decode alone at
+11,000-14,000 images/s on an H100, at 0.1-0.3 CPU s per 1000 images, while the
+server's ``--decoder nvimgcodec`` row made 500-600 images/s and the no-service
+ceiling row (a per-image antialiased ``interpolate``) about 850. So the time is in
+what follows the decode. This times, on the bench's JPEGs, a batch of random
+crops through:
+
+- ``server``: the server's own ``BatchJpegDecoder.decode`` (regions, per-image
+  resampling weights, the batch copied to host memory), on one thread and on 16
+  (the server's decode threads, each with its decoder);
+- ``interpolate``: the ceiling row's per-image ``interpolate(antialias=True)``;
+
+and prints torch.profiler's busiest operations for each, CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _jobs(files, sizes, boxes, at: int, batch: int):
+    from gpufeed.server.media.batch_jpeg import Deferred
+
+    picked = [(at + i) % len(files) for i in range(batch)]
+    return [Deferred(row, files[i], boxes[i], row % 2 == 1, sizes[i])
+            for row, i in enumerate(picked)]
+
+
+def _server(decoder, files, sizes, boxes, batches: int, batch: int, size) -> float:
+    import numpy as np
+
+    out = np.zeros((batch, 3, *size), np.uint8)
+    began = time.perf_counter()
+    for k in range(batches):
+        left = decoder.decode(_jobs(files, sizes, boxes, k * batch, batch), out)
+        assert not left, f"{len(left)} handed back"
+    return time.perf_counter() - began
+
+
+def _interpolate(nvimgcodec, decoder, files, boxes, batches: int, batch: int, size) -> float:
+    import torch
+
+    from bench.peers.gpu import resize_flip
+
+    params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
+                                     color_spec=nvimgcodec.ColorSpec.SRGB)
+    stream = torch.cuda.current_stream()
+    began = time.perf_counter()
+    for k in range(batches):
+        codes = []
+        for i in range(k * batch, (k + 1) * batch):
+            i %= len(files)
+            top, left, h, w = (int(v) for v in boxes[i])
+            codes.append(nvimgcodec.CodeStream(files[i]).get_sub_code_stream(
+                region=nvimgcodec.Region(top, left, top + h, left + w)))
+        out = torch.empty((batch, 3, *size), dtype=torch.uint8, device="cuda")
+        for j, image in enumerate(decoder.decode(codes, params=params,
+                                                 cuda_stream=stream.cuda_stream)):
+            out[j] = resize_flip(torch.from_dlpack(image).permute(2, 0, 1), size, j % 2 == 1)
+        stream.synchronize()
+    return time.perf_counter() - began
+
+
+def _profiled(name: str, run) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    print(f"--- {name}: by CPU time\n"
+          f"{table.table(sort_by='self_cpu_time_total', row_limit=16, max_name_column_width=48)}")
+    print(f"--- {name}: by GPU time\n"
+          f"{table.table(sort_by='self_device_time_total', row_limit=10, max_name_column_width=48)}",
+          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu.stages", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, required=True, help="a bench data set (bench.dataset)")
+    p.add_argument("--batches", type=int, default=30)
+    args = p.parse_args(argv)
+    import torch
+
+    from bench import jobs
+    from gpufeed.server.media.batch_jpeg import BatchJpegDecoder, load
+    from gpufeed.server.media.headers import declared_size
+
+    if not torch.cuda.is_available():
+        print("stages: no CUDA device")
+        return 0
+    nvimgcodec = load()
+    names = (args.data / "bench.flist").read_text().split()
+    files = [(args.data / n).read_bytes() for n in names]
+    sizes = [declared_size(f)[::-1] for f in files]
+    torch.manual_seed(0)
+    boxes = []
+    for height, width in sizes:
+        left, top, w, h = jobs.random_box(width, height)
+        boxes.append((float(top), float(left), float(h), float(w)))
+    batch, size, device = 32, (224, 224), torch.device("cuda:0")
+
+    decoder = BatchJpegDecoder(device)
+    _server(decoder, files, sizes, boxes, 3, batch, size)  # warm-up
+    seconds = _server(decoder, files, sizes, boxes, args.batches, batch, size)
+    print(f"stages server x1: {args.batches * batch / seconds:.0f} img/s", flush=True)
+
+    threads = 16
+    decoders = [BatchJpegDecoder(device) for _ in range(threads)]
+    took = [0.0] * threads
+
+    def one(k: int) -> None:
+        took[k] = _server(decoders[k], files, sizes, boxes, args.batches // 2, batch, size)
+
+    for d in decoders:
+        _server(d, files, sizes, boxes, 1, batch, size)
+    began = time.perf_counter()
+    workers = [threading.Thread(target=one, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - began
+    print(f"stages server x{threads}: {threads * (args.batches // 2) * batch / wall:.0f} img/s",
+          flush=True)
+
+    plain = nvimgcodec.Decoder()
+    _interpolate(nvimgcodec, plain, files, boxes, 3, batch, size)
+    seconds = _interpolate(nvimgcodec, plain, files, boxes, args.batches, batch, size)
+    print(f"stages interpolate x1: {args.batches * batch / seconds:.0f} img/s", flush=True)
+
+    _profiled("server", lambda: _server(decoder, files, sizes, boxes, 10, batch, size))
+    _profiled("interpolate",
+              lambda: _interpolate(nvimgcodec, plain, files, boxes, 10, batch, size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
