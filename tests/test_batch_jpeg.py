@@ -24,8 +24,7 @@ from PIL import Image
 from gpufeed.client import FeedClient, Field
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.media import batch_jpeg, jpeg
-from gpufeed.server.media.batch_jpeg import (BatchJpegDecoder, Deferred, crop_taps,
-                                             resample_weights)
+from gpufeed.server.media.batch_jpeg import BatchJpegDecoder, Deferred, crop_taps, resample_weights
 from gpufeed.server.media.draws import sample_draws
 from gpufeed.server.media.output import OutputTransform
 from gpufeed.server.process import ServerProcess

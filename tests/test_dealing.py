@@ -75,8 +75,12 @@ def test_the_faster_server_is_handed_more_of_the_pass(paced, image_names):
     options = dict(batch_size=8, size=(16, 16), transforms=["pace"], prefetch=1, shuffle=True,
                    seed=3)
     files = image_names[:160]
+    ended = len(_stream_ends(paced[1]))
     with FeedClient(paced[1].address) as feed:
         alone = _indices(feed.loader(files, **options))
+    # That stream's end line comes a moment after its last batch: wait for it, so it is
+    # not taken for the dealt pass's.
+    assert wait_until(lambda: len(_stream_ends(paced[1])) > ended)
     before = [len(_stream_ends(server)) for server in paced]
     with FeedClient([server.address for server in paced]) as feed:
         dealt = _indices(feed.loader(files, **options))

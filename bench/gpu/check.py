@@ -205,9 +205,9 @@ def _bench(out: Path, data_dir: Path, dry_run: bool, rows: list[str], timeout: f
     report = json.loads(latest.read_text())
     keys = ("status", "images_per_second", "cpu_seconds_per_1000", "trainer_cpu_ms_per_batch",
             "startup_seconds", "images", "expected", "note")
-    rows = {r["row"]: {k: r.get(k) for k in keys} for r in report["rows"]}
+    found = {r["row"]: {k: r.get(k) for k in keys} for r in report["rows"]}
     return {"status": "ok", "data_set": report["data_set"], "config": report["config"],
-            "rows": rows}
+            "rows": found}
 
 
 def _probe(out: Path, data_set: dict | None, configs: str, dry_run: bool, timeout: float

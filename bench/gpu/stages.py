@@ -77,11 +77,10 @@ def _profiled(name: str, run) -> None:
         run()
         torch.cuda.synchronize()
     table = prof.key_averages()
-    print(f"--- {name}: by CPU time\n"
-          f"{table.table(sort_by='self_cpu_time_total', row_limit=16, max_name_column_width=48)}")
-    print(f"--- {name}: by GPU time\n"
-          f"{table.table(sort_by='self_device_time_total', row_limit=10, max_name_column_width=48)}",
-          flush=True)
+    for by, key, rows in (("CPU", "self_cpu_time_total", 16),
+                          ("GPU", "self_device_time_total", 10)):
+        shown = table.table(sort_by=key, row_limit=rows, max_name_column_width=48)
+        print(f"--- {name}: by {by} time\n{shown}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
