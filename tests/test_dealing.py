@@ -69,18 +69,24 @@ def _stream_ends(server: ServerProcess) -> list[int]:
             if (m := re.search(r"stream end: .* batches=(\d+)", line))]
 
 
+def _alone(server: ServerProcess, files: list[str], **options) -> list[int]:
+    """The pass's sample order as ``server`` alone makes it, once the server has logged
+    that stream's end: the line comes a moment after the last batch, and a test that
+    then counts a later pass's streams must not take this one for it."""
+    ended = len(_stream_ends(server))
+    with FeedClient(server.address) as feed:
+        indices = _indices(feed.loader(files, **options))
+    assert wait_until(lambda: len(_stream_ends(server)) > ended)
+    return indices
+
+
 def test_the_faster_server_is_handed_more_of_the_pass(paced, image_names):
     """Dealt in turn, each server would make 10 of the 20 batches, and the pass would
     go at twice the slow one's pace; dealt by pace, the fast one makes most."""
     options = dict(batch_size=8, size=(16, 16), transforms=["pace"], prefetch=1, shuffle=True,
                    seed=3)
     files = image_names[:160]
-    ended = len(_stream_ends(paced[1]))
-    with FeedClient(paced[1].address) as feed:
-        alone = _indices(feed.loader(files, **options))
-    # That stream's end line comes a moment after its last batch: wait for it, so it is
-    # not taken for the dealt pass's.
-    assert wait_until(lambda: len(_stream_ends(paced[1])) > ended)
+    alone = _alone(paced[1], files, **options)
     before = [len(_stream_ends(server)) for server in paced]
     with FeedClient([server.address for server in paced]) as feed:
         dealt = _indices(feed.loader(files, **options))
@@ -232,8 +238,7 @@ def test_a_local_server_over_shm_and_a_remote_one_inline_share_one_pass(paced, d
     options = dict(batch_size=8, size=(16, 16), shuffle=True, seed=5)
     files = image_names[:160]
     try:
-        with FeedClient(paced[1].address) as feed:
-            alone = _indices(feed.loader(files, **options))
+        alone = _alone(paced[1], files, **options)
         servers = [paced[1], remote]
         before = [len(_stream_ends(server)) for server in servers]
         with FeedClient([server.address for server in servers]) as feed:

@@ -130,6 +130,11 @@ def _machine() -> dict:
                         "capability": f"{props.major}.{props.minor}"}
         found["nvidia_smi"] = _command(["nvidia-smi", "--format=csv,noheader",
                                         "--query-gpu=name,driver_version,memory.total"])
+        # Whether a CUDA extension could be built there (a batched decode in native code).
+        from torch.utils import cpp_extension
+
+        found["nvcc"] = (_command(["nvcc", "--version"]).splitlines() or ["none"])[-1]
+        found["cuda_home"] = str(cpp_extension.CUDA_HOME)
     from gpufeed.server.media import jpeg
     from gpufeed.server.media.transforms import builtins as augment
 
