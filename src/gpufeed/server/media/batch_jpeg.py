@@ -185,7 +185,8 @@ def _whole(data: bytes) -> bool:
     back to the CPU path, which fails it as it would without the flag. The marker
     segments before the scan are walked by their lengths (a thumbnail in an APP segment
     has an end marker of its own); inside the scan a 0xFF byte is followed by 0x00 or a
-    restart marker, so the first FF D9 after it is the end."""
+    restart marker, so an FF D9 after it is the end (looked for from the file's end,
+    where it is, rather than through the compressed data)."""
     at = 2
     while at + 4 <= len(data):
         if data[at] != 0xFF:
@@ -193,8 +194,8 @@ def _whole(data: bytes) -> bool:
         marker = data[at + 1]
         if marker == 0xFF:  # fill byte
             at += 1
-        elif marker == 0xDA:  # start of scan
-            return data.find(b"\xff\xd9", at + 2) != -1
+        elif marker == 0xDA:  # start of scan; the end is found from the file's end
+            return data.rfind(b"\xff\xd9", at + 2) != -1
         elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # markers without a length
             at += 2
         else:
@@ -235,8 +236,9 @@ class BatchJpegDecoder:
 
     def _decode(self, jobs: list[Deferred], out: np.ndarray) -> list[Deferred]:
         nvimgcodec = self._nvimgcodec
-        failed = [job for job in jobs if not _whole(job.data)]  # nvJPEG decodes a cut file
-        jobs = [job for job in jobs if _whole(job.data)]        # without a word: handed back
+        whole = [_whole(job.data) for job in jobs]  # nvJPEG decodes a cut file without a
+        failed = [job for job, ok in zip(jobs, whole) if not ok]  # word: handed back
+        jobs = [job for job, ok in zip(jobs, whole) if ok]
         if not jobs:
             return failed
         height, width = out.shape[2:]
