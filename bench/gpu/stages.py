@@ -7,9 +7,9 @@ ceiling row (a per-image antialiased ``interpolate``) about 850. So the time is 
 what follows the decode. This times, on the bench's JPEGs, a batch of random
 crops through:
 
-- ``server``: the server's own ``BatchJpegDecoder.decode`` (regions, per-image
-  resampling weights, the batch copied to host memory), on one thread and on 16
-  (the server's decode threads, each with its decoder);
+- ``server``: the server's own ``BatchJpegDecoder.decode`` (regions, the batch's
+  resampling, the batch copied to host memory), on one thread and on 2, 4 and 16
+  at once (the server's decode threads, each with its decoder);
 - ``interpolate``: the ceiling row's per-image ``interpolate(antialias=True)``;
 
 and prints torch.profiler's busiest operations for each, CPU and GPU.
@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, required=True, help="a bench data set (bench.dataset)")
     p.add_argument("--batches", type=int, default=30)
+    p.add_argument("--cpu", action="store_true",
+                   help="the server's path on nvImageCodec's CPU backend, to try this script "
+                        "where there is no GPU (no interpolate row, no profile)")
     args = p.parse_args(argv)
     import torch
 
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpufeed.server.media.batch_jpeg import BatchJpegDecoder, load
     from gpufeed.server.media.headers import declared_size
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.cpu:
         print("stages: no CUDA device")
         return 0
     nvimgcodec = load()
@@ -107,32 +110,36 @@ def main(argv: list[str] | None = None) -> int:
     for height, width in sizes:
         left, top, w, h = jobs.random_box(width, height)
         boxes.append((float(top), float(left), float(h), float(w)))
-    batch, size, device = 32, (224, 224), torch.device("cuda:0")
+    batch, size = 32, (224, 224)
+    device = torch.device("cpu" if args.cpu else "cuda:0")
 
     decoder = BatchJpegDecoder(device)
     _server(decoder, files, sizes, boxes, 3, batch, size)  # warm-up
     seconds = _server(decoder, files, sizes, boxes, args.batches, batch, size)
     print(f"stages server x1: {args.batches * batch / seconds:.0f} img/s", flush=True)
 
-    threads = 16
-    decoders = [BatchJpegDecoder(device) for _ in range(threads)]
-    took = [0.0] * threads
-
-    def one(k: int) -> None:
-        took[k] = _server(decoders[k], files, sizes, boxes, args.batches // 2, batch, size)
-
+    # The server's decode threads each decode their own batches: how the rate holds up
+    # as more of them decode at once says whether to let only a few at a time.
+    decoders = [BatchJpegDecoder(device) for _ in range(16)]
     for d in decoders:
         _server(d, files, sizes, boxes, 1, batch, size)
-    began = time.perf_counter()
-    workers = [threading.Thread(target=one, args=(k,)) for k in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    wall = time.perf_counter() - began
-    print(f"stages server x{threads}: {threads * (args.batches // 2) * batch / wall:.0f} img/s",
-          flush=True)
+    for threads in (2, 4, 16):
+        each = max(args.batches * 2 // threads, 2)
 
+        def one(k: int, each: int = each) -> None:
+            _server(decoders[k], files, sizes, boxes, each, batch, size)
+
+        began = time.perf_counter()
+        workers = [threading.Thread(target=one, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        wall = time.perf_counter() - began
+        print(f"stages server x{threads}: {threads * each * batch / wall:.0f} img/s", flush=True)
+
+    if args.cpu:
+        return 0
     plain = nvimgcodec.Decoder()
     _interpolate(nvimgcodec, plain, files, boxes, 3, batch, size)
     seconds = _interpolate(nvimgcodec, plain, files, boxes, args.batches, batch, size)
