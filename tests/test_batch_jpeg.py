@@ -13,8 +13,10 @@ IDCT, so it is the closer of the two).
 from __future__ import annotations
 
 import io
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +26,14 @@ from PIL import Image
 from gpufeed.client import FeedClient, Field
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.media import batch_jpeg, jpeg
-from gpufeed.server.media.batch_jpeg import BatchJpegDecoder, Deferred, crop_taps, resample_weights
+from gpufeed.server.media.batch_jpeg import (
+    BatchJpegDecoder,
+    Deferred,
+    crop_taps,
+    kernel_crops,
+    resample,
+    resample_weights,
+)
 from gpufeed.server.media.draws import sample_draws
 from gpufeed.server.media.output import OutputTransform
 from gpufeed.server.process import ServerProcess
@@ -102,6 +111,55 @@ def test_a_batch_of_regions_is_pillows_crop_and_resize():
                 cpu = np.zeros((3, *SIZE), np.uint8)
                 jpeg.decode_crop(data, cpu, job.box, job.flip)
                 assert np.abs(got - cpu).max() <= 1, job.box
+
+
+@pytest.fixture(scope="module")
+def host_kernel(tmp_path_factory):
+    """_resample.cu built as plain C++ (its host entry point alone): the CUDA kernel's
+    per-pixel code, run on the CPU."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    built = tmp_path_factory.mktemp("kernel") / "_resample.so"
+    source = Path(batch_jpeg.__file__).with_name("_resample.cu")
+    subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-x", "c++", str(source), "-o",
+                    str(built)], check=True, timeout=120)
+    return batch_jpeg.load_kernel(built)
+
+
+def test_the_resample_kernel_makes_the_batched_products_pixels(host_kernel):
+    """The kernel's arithmetic (its host entry point) against the torch path, on boxes that
+    shrink, grow, touch the edges or are under a pixel, flipped or not, over regions read
+    in place from their images (rows farther apart than the region is wide): within one
+    level (float sums in another order), nearly all equal."""
+    rng = np.random.default_rng(8)
+    images, boxes, sizes = [], [], []
+    for k in range(24):
+        height, width = int(rng.integers(1, 300)), int(rng.integers(1, 300))
+        images.append(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        box_h = float(rng.uniform(0.3, height)) if k % 4 else float(height)
+        box_w = float(rng.uniform(0.3, width)) if k % 4 else float(width)
+        boxes.append((float(rng.uniform(0, height - box_h)), float(rng.uniform(0, width - box_w)),
+                      box_h, box_w))
+        sizes.append((height, width))
+    boxes, sizes = np.array(boxes), np.array(sizes)
+    flips = rng.random(len(images)) < 0.5
+    ys = crop_taps(boxes[:, 0], boxes[:, 2], sizes[:, 0], SIZE[0])
+    xs = crop_taps(boxes[:, 1], boxes[:, 3], sizes[:, 1], SIZE[1])
+    regions = [torch.from_numpy(image)[ys.first[k]:ys.last[k], xs.first[k]:xs.last[k]]
+               for k, image in enumerate(images)]
+    padded = torch.zeros((len(regions), int((ys.last - ys.first).max()),
+                          int((xs.last - xs.first).max()), 3), dtype=torch.uint8)
+    for k, region in enumerate(regions):
+        padded[k, :region.shape[0], :region.shape[1]] = region
+    want = resample(padded, ys, xs, flips).numpy()
+
+    crops = kernel_crops(regions, ys, xs, boxes, sizes, flips)
+    got = np.full_like(want, 0xAB)  # poisoned: every pixel must be written
+    assert host_kernel.gpufeed_resample_host(crops.ctypes.data, len(crops), got.ctypes.data,
+                                             *SIZE) == 0
+    diff = np.abs(got.astype(np.int16) - want)
+    assert diff.max() <= 1 and (diff == 0).mean() > 0.99, (diff.max(), (diff == 0).mean())
 
 
 def test_what_nvimgcodec_cannot_read_is_handed_back():
@@ -239,6 +297,27 @@ def test_on_the_gpu_a_batch_of_regions_is_pillows_crop_and_resize():
     for job in jobs:
         diff = np.abs(out[job.row].astype(np.int16) - _pillow(data, job.box, job.flip)).max()
         assert diff <= _LEVELS, (job.box, diff)
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_the_resample_kernel_makes_the_torch_paths_pixels():
+    """Where bench/gpu/prepare.sh built the kernel (the device check), a batch of random
+    crops of photos of random sizes, flipped or not, resampled by it and by torch."""
+    if batch_jpeg.load_kernel() is None:
+        pytest.skip("the resample kernel is not built here (bench/gpu/prepare.sh builds it)")
+    rng = np.random.default_rng(9)
+    jobs = []
+    for row in range(24):
+        height, width = int(rng.integers(20, 500)), int(rng.integers(20, 500))
+        box_h, box_w = float(rng.uniform(2, height)), float(rng.uniform(2, width))
+        box = (float(rng.uniform(0, height - box_h)), float(rng.uniform(0, width - box_w)),
+               box_h, box_w)
+        jobs.append(Deferred(row, _jpeg(rng, height, width), box, bool(row % 2), (height, width)))
+    with_kernel, with_torch = (np.full((24, 3, *SIZE), 0xAB, np.uint8) for _ in range(2))
+    assert BatchJpegDecoder(torch.device("cuda:0")).decode(jobs, with_kernel) == []
+    assert BatchJpegDecoder(torch.device("cuda:0"), kernel=False).decode(jobs, with_torch) == []
+    diff = np.abs(with_kernel.astype(np.int16) - with_torch)
+    assert diff.max() <= 1 and (diff == 0).mean() > 0.99, (diff.max(), (diff == 0).mean())
 
 
 @pytest.mark.cuda

@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from gpufeed.server.media import batch_jpeg
 
 _ROOT = Path(__file__).resolve().parents[1]
 _GPU_ROWS = {"gpufeed-shm-h2d-rrc-u8", "gpufeed-cuda-rrc-u8", "gpufeed-nvimgcodec-rrc-u8",
@@ -46,6 +49,11 @@ def test_the_dry_run_does_every_step_and_reports_what_the_device_tool_fetches(tm
         assert (gpu / "ext" / "_jpeg.abi3.so").exists()
         assert machine["jpeg"].startswith("JPEG decoder: libjpeg-turbo"), machine["jpeg"]
     assert machine["augment_kernels"] == "C"
+    # The nvimgcodec path's resample kernel, where nvcc is here to build it: a library that
+    # loads on a machine without a GPU (the CUDA runtime is linked in) with both entries.
+    if shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists():
+        kernel = batch_jpeg.load_kernel(gpu / "ext" / "_resample.so")
+        assert kernel is not None and hasattr(kernel, "gpufeed_resample_cuda")
 
     # The CUDA tests of the three modules were collected from the laid-out copy; with no
     # device here they all skip (the suite runs the modules' other tests itself).

@@ -16,7 +16,8 @@
 #                     beside the libjpeg-turbo they link (found through their rpath):
 #                     the device image has neither libjpeg-turbo's headers nor its
 #                     Debian library, and a CPU baseline on the PyAV fallback would
-#                     not be a baseline.
+#                     not be a baseline. And, where nvcc is here, the nvimgcodec
+#                     path's resample kernel (_resample.so, loaded through ctypes).
 #
 # Usage: bash bench/gpu/prepare.sh [--ext-only]
 #   --ext-only  build .gpu/ext/ alone, no download (the dry run's test does this)
@@ -47,6 +48,18 @@ build_extensions() {  # the flags of pyproject.toml's ext-modules, plus the stab
     fi
     gcc -O3 -ffp-contract=off -fno-trapping-math -fPIC -shared -DPy_LIMITED_API=0x030B0000 \
         -I"$include" src/gpufeed/server/media/transforms/_augment.c -o "$ext/_augment.abi3.so" -lm
+    # The resample kernel (--decoder nvimgcodec): for the A100 and the H100, plus PTX for
+    # newer chips; the CUDA runtime linked in, so it needs only the driver there.
+    local nvcc
+    nvcc=$(command -v nvcc || true)
+    if [ -z "$nvcc" ] && [ -x /usr/local/cuda/bin/nvcc ]; then nvcc=/usr/local/cuda/bin/nvcc; fi
+    if [ -n "$nvcc" ]; then
+        "$nvcc" -O3 -Xcompiler -fPIC -shared -gencode arch=compute_80,code=sm_80 \
+            -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 \
+            src/gpufeed/server/media/_resample.cu -o "$ext/_resample.so"
+    else
+        echo "no nvcc here: the nvimgcodec path will resample with torch, and say so"
+    fi
     echo "built $(ls "$ext" | tr '\n' ' ')in $ext"
 }
 

@@ -9,7 +9,9 @@ crops through:
 
 - ``server``: the server's own ``BatchJpegDecoder.decode`` (regions, the batch's
   resampling, the batch copied to host memory), on one thread and on 2, 4 and 16
-  at once (the server's decode threads, each with its decoder);
+  at once (the server's decode threads, each with its decoder); resampled by the
+  CUDA kernel where prepare.sh built it, and, on one thread, by torch
+  (``server-torch``);
 - ``interpolate``: the ceiling row's per-image ``interpolate(antialias=True)``;
 
 and prints torch.profiler's busiest operations for each, CPU and GPU.
@@ -114,9 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.cpu else "cuda:0")
 
     decoder = BatchJpegDecoder(device)
-    _server(decoder, files, sizes, boxes, 3, batch, size)  # warm-up
-    seconds = _server(decoder, files, sizes, boxes, args.batches, batch, size)
-    print(f"stages server x1: {args.batches * batch / seconds:.0f} img/s", flush=True)
+    kernel = "resample kernel" if decoder._kernel is not None else "torch (no kernel built)"
+    for name, one_decoder in (("server", decoder),
+                              ("server-torch", BatchJpegDecoder(device, kernel=False))):
+        _server(one_decoder, files, sizes, boxes, 3, batch, size)  # warm-up
+        seconds = _server(one_decoder, files, sizes, boxes, args.batches, batch, size)
+        how = kernel if name == "server" else "torch"
+        print(f"stages {name} x1 ({how}): {args.batches * batch / seconds:.0f} img/s",
+              flush=True)
 
     # The server's decode threads each decode their own batches: how the rate holds up
     # as more of them decode at once says whether to let only a few at a time.

@@ -9,13 +9,14 @@ With the flag, a stream's JPEG rows are not decoded by the decode threads:
 each thread reads its sample's bytes and draws its crop box from the size the
 header declares (``defer``), and the thread that finishes the batch decodes
 every row's region (the box's enclosing pixels, as a region of interest: only
-they are decoded) in one call (``BatchJpegDecoder.decode``). Each region is
-then resampled to the output on the decoder's device by two matrix products
-whose weights are the CPU path's filter over the box's exact, sub-pixel
-position (``resample_weights``: Pillow's bilinear triangle, widened when
-shrinking, as src/gpufeed/server/media/_jpeg.c computes it), mirrored for a flip, and
-written into the batch's row: within a level or two of Pillow cropping and
-resizing the same box. It agrees as closely with the CPU path where that decodes
+they are decoded) in one call (``BatchJpegDecoder.decode``). The regions are
+then resampled to the output on the decoder's device with the CPU path's filter
+over each box's exact, sub-pixel position (``crop_taps``: Pillow's bilinear
+triangle, widened when shrinking, as src/gpufeed/server/media/_jpeg.c computes
+it), mirrored for a flip, into the batch's rows: by one launch of gpufeed's CUDA
+kernel (_resample.cu) where bench/gpu/prepare.sh built it, else by two batched
+matrix products (``resample``, on any device). Either is within a level or two
+of Pillow cropping and resizing the same box, and within one of the other. It agrees as closely with the CPU path where that decodes
 at full scale; where the box is twice the output or more, the CPU path lets
 libjpeg shrink it in the IDCT (a coarser filter, ~30 dB against Pillow), and this
 path, decoding the region at full scale, is the closer of the two. What this path
@@ -26,12 +27,14 @@ out, or fails, exactly as without the flag.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
 import tempfile
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,8 +42,8 @@ import torch
 
 from .output import Box
 
-__all__ = ["BatchJpegDecoder", "Deferred", "Taps", "crop_taps", "describe", "load",
-           "resample_weights", "takes"]
+__all__ = ["BatchJpegDecoder", "Deferred", "Taps", "crop_taps", "describe", "kernel_crops",
+           "load", "load_kernel", "resample", "resample_weights", "takes"]
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -48,6 +51,14 @@ _lock = threading.Lock()
 # that ships no stubs.
 _nvimgcodec: Any = None
 _JPEG_MAGIC = b"\xff\xd8\xff"
+# One crop for the resample kernel: _resample.cu's gpufeed_crop, field for field.
+_CROP = np.dtype([("src", "<u8"), ("pitch", "<i8"), ("first_y", "<i4"), ("first_x", "<i4"),
+                  ("rows", "<i4"), ("cols", "<i4"), ("size_y", "<i4"), ("size_x", "<i4"),
+                  ("top", "<f8"), ("left", "<f8"), ("height", "<f8"), ("width", "<f8"),
+                  ("flip", "<i4"), ("unused", "<i4")])
+assert _CROP.itemsize == 80, "must match sizeof(gpufeed_crop)"
+_KERNEL = Path(__file__).with_name("_resample.so")  # built by bench/gpu/prepare.sh (nvcc)
+_kernel: Any = None  # the loaded library, or False where there is none
 
 
 def takes(data: bytes) -> bool:
@@ -89,13 +100,63 @@ def load() -> Any:
 
 
 def describe(device: torch.device) -> str:
-    """One line for the start-up log: the decoder and its backend."""
+    """One line for the start-up log: the decoder, its backend and the resampling."""
     nvimgcodec = load()
     where = (f"the GPU ({torch.cuda.get_device_name(device)}: hardware JPEG decoder where "
              f"the chip has one, else nvJPEG's CUDA decoder)" if device.type == "cuda"
              else "its libjpeg-turbo CPU backend (no GPU)")
+    resampled = ("gpufeed's resample kernel" if device.type == "cuda" and _cuda_kernel()
+                 else "two batched matrix products")
     return (f"JPEG decoder: nvImageCodec {nvimgcodec.__version__}, a batch at a time, on "
-            f"{where}; other formats on the decode threads")
+            f"{where}, resampled by {resampled}; other formats on the decode threads")
+
+
+def load_kernel(path: Path | None = None) -> Any:
+    """The resample kernel's library (_resample.cu, built with nvcc, beside this module),
+    loaded once; None where it was not built (then the batch is resampled with torch).
+    ``path``: another build of it, loaded afresh (the tests' host-only build)."""
+    global _kernel
+    if path is not None:
+        return _open_kernel(path)
+    with _lock:
+        if _kernel is None:
+            _kernel = _open_kernel(_KERNEL) if _KERNEL.exists() else False
+        return _kernel or None
+
+
+def _cuda_kernel() -> Any:
+    """The kernel's library where it was built with its CUDA entry (nvcc), else None."""
+    lib = load_kernel()
+    return lib if lib is not None and hasattr(lib, "gpufeed_resample_cuda") else None
+
+
+def _open_kernel(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    pointer, number = ctypes.c_void_p, ctypes.c_int
+    lib.gpufeed_resample_host.argtypes = [pointer, number, pointer, number, number]
+    lib.gpufeed_resample_host.restype = number
+    if hasattr(lib, "gpufeed_resample_cuda"):  # absent from a build without nvcc
+        lib.gpufeed_resample_cuda.argtypes = [pointer, number, pointer, number, number, pointer]
+        lib.gpufeed_resample_cuda.restype = number
+    return lib
+
+
+def kernel_crops(regions: list[torch.Tensor], ys: Taps, xs: Taps, boxes: np.ndarray,
+                 sizes: np.ndarray, flips: np.ndarray) -> np.ndarray:
+    """The resample kernel's crops (``_CROP``) for ``regions`` (uint8 [h, w, 3], rows
+    of 3-byte pixels, where ``ys``/``xs`` say they begin in their images), the boxes
+    (top, left, height, width), the images' (height, width) and the flips."""
+    crops = np.zeros(len(regions), _CROP)
+    crops["src"] = [region.data_ptr() for region in regions]
+    crops["pitch"] = [region.stride(0) for region in regions]
+    crops["first_y"], crops["first_x"] = ys.first, xs.first
+    crops["rows"] = [region.shape[0] for region in regions]
+    crops["cols"] = [region.shape[1] for region in regions]
+    crops["size_y"], crops["size_x"] = sizes[:, 0], sizes[:, 1]
+    for k, name in enumerate(("top", "left", "height", "width")):
+        crops[name] = boxes[:, k]
+    crops["flip"] = flips
+    return crops
 
 
 @dataclass
@@ -177,6 +238,26 @@ def resample_weights(taps: Taps, span: int, device: torch.device) -> torch.Tenso
     return weights
 
 
+def resample(padded: torch.Tensor, ys: Taps, xs: Taps, flips: np.ndarray) -> torch.Tensor:
+    """Regions (uint8 [N, h, w, 3], each at the top left, zero-padded) resampled to the
+    output by two batched matrix products, mirrored where ``flips``: uint8 [N, 3, H, W]
+    where ``padded`` lies (any device)."""
+    device = padded.device
+    count, span_h, span_w, _ = padded.shape
+    wy = resample_weights(ys, span_h, device)  # [N, H, h]
+    wx = resample_weights(xs, span_w, device)  # [N, W, w]
+    if flips.any():
+        flipped = torch.from_numpy(flips).to(device)[:, None, None]
+        wx = torch.where(flipped, wx.flip(1), wx)
+    height, width = wy.shape[1], wx.shape[1]
+    # Rows: [N, H, h] x [N, h, w * 3]; then columns: [N, W, w] x [N, w, H * 3].
+    tall = torch.bmm(wy, padded.view(count, span_h, span_w * 3).float())
+    tall = tall.view(count, height, span_w, 3).permute(0, 2, 1, 3).reshape(
+        count, span_w, height * 3)
+    wide = torch.bmm(wx, tall).view(count, width, height, 3)
+    return wide.permute(0, 3, 2, 1).round_().clamp_(0, 255).to(torch.uint8).contiguous()
+
+
 def _whole(data: bytes) -> bool:
     """Whether a JPEG's compressed data ends: an end-of-image marker after its first scan.
 
@@ -207,9 +288,12 @@ class BatchJpegDecoder:
     """One decode thread's nvImageCodec decoder, on ``device`` (a GPU, or the CPU
     backend), with its own CUDA stream so that threads decode at once."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, kernel: bool = True):
+        """``kernel``: resample with gpufeed's CUDA kernel where it was built (on a GPU),
+        else with torch."""
         nvimgcodec = load()
         self.device = device
+        self._kernel = _cuda_kernel() if kernel and device.type == "cuda" else None
         if device.type == "cuda":
             # One CPU thread per decoder: the server runs a decoder on each decode thread,
             # and nvImageCodec's default (a thread per core each) measured slower.
@@ -246,7 +330,7 @@ class BatchJpegDecoder:
         sizes = np.array([job.size for job in jobs], np.int64)
         ys = crop_taps(boxes[:, 0], boxes[:, 2], sizes[:, 0], height)
         xs = crop_taps(boxes[:, 1], boxes[:, 3], sizes[:, 1], width)
-        regions, taken = [], []
+        streams, taken = [], []
         for k, job in enumerate(jobs):
             try:
                 code = nvimgcodec.CodeStream(job.data)
@@ -254,7 +338,7 @@ class BatchJpegDecoder:
                 # which the CPU path converts as it always has: handed back.
                 if (code.height, code.width) != job.size or code.num_channels not in (1, 3):
                     raise ValueError("not for this path")
-                regions.append(code.get_sub_code_stream(region=nvimgcodec.Region(
+                streams.append(code.get_sub_code_stream(region=nvimgcodec.Region(
                     ys.first[k], xs.first[k], ys.last[k], xs.last[k])))
             except (RuntimeError, ValueError):  # not a stream nvImageCodec reads
                 failed.append(job)
@@ -263,48 +347,56 @@ class BatchJpegDecoder:
         if not taken:
             return failed
         stream = self._stream.cuda_stream if self._stream is not None else 0
-        decoded = self._decoder.decode(regions, params=self._params, cuda_stream=stream)
-        # Every region into one zero-padded batch, then two batched matrix products.
+        decoded = self._decoder.decode(streams, params=self._params, cuda_stream=stream)
         spans = (ys.last - ys.first)[taken], (xs.last - xs.first)[taken]
-        padded = torch.zeros((len(taken), int(spans[0].max()), int(spans[1].max()), 3),
-                             dtype=torch.uint8, device=self.device)
-        kept = []
+        regions, kept = [], []
         for k, (image, h, w) in enumerate(zip(decoded, *spans)):
             region = self._tensor(image) if image is not None else None
             if region is None or tuple(region.shape) != (h, w, 3):
                 failed.append(jobs[taken[k]])
                 continue
-            padded[k, :h, :w] = region
+            regions.append(region)
             kept.append(k)
         if not kept:
             return failed
-        rows = [jobs[taken[k]].row for k in kept]
         pick = np.array(taken)[kept]
-        pixels = self._resample(padded[kept], _pick(ys, pick), _pick(xs, pick),
-                                np.array([jobs[i].flip for i in pick]))
+        rows = [jobs[i].row for i in pick]
+        ys, xs = _pick(ys, pick), _pick(xs, pick)
+        flips = np.array([jobs[i].flip for i in pick])
+        if self._kernel is not None:
+            pixels = self._resample_kernel(regions, ys, xs, boxes[pick], sizes[pick], flips,
+                                           (height, width))
+        else:  # every region into one zero-padded batch, then two batched matrix products
+            padded = torch.zeros((len(regions), int(spans[0].max()), int(spans[1].max()), 3),
+                                 dtype=torch.uint8, device=self.device)
+            for k, region in enumerate(regions):
+                padded[k, :region.shape[0], :region.shape[1]] = region
+            pixels = resample(padded, ys, xs, flips)
         if rows == list(range(out.shape[0])):
             torch.from_numpy(out).copy_(pixels)
         else:
             torch.from_numpy(out)[rows] = pixels.cpu()
         return failed
 
-    def _resample(self, padded: torch.Tensor, ys: Taps, xs: Taps, flips: np.ndarray
-                  ) -> torch.Tensor:
-        """Regions (uint8 [N, h, w, 3], each at the top left, zero-padded) resampled to
-        the output, mirrored where ``flips``: uint8 [N, 3, H, W] on the device."""
-        count, span_h, span_w, _ = padded.shape
-        wy = resample_weights(ys, span_h, self.device)  # [N, H, h]
-        wx = resample_weights(xs, span_w, self.device)  # [N, W, w]
-        if flips.any():
-            flipped = torch.from_numpy(flips).to(self.device)[:, None, None]
-            wx = torch.where(flipped, wx.flip(1), wx)
-        height, width = wy.shape[1], wx.shape[1]
-        # Rows: [N, H, h] x [N, h, w * 3]; then columns: [N, W, w] x [N, w, H * 3].
-        tall = torch.bmm(wy, padded.view(count, span_h, span_w * 3).float())
-        tall = tall.view(count, height, span_w, 3).permute(0, 2, 1, 3).reshape(
-            count, span_w, height * 3)
-        wide = torch.bmm(wx, tall).view(count, width, height, 3)
-        return wide.permute(0, 3, 2, 1).round_().clamp_(0, 255).to(torch.uint8).contiguous()
+    def _resample_kernel(self, regions: list[torch.Tensor], ys: Taps, xs: Taps,
+                         boxes: np.ndarray, sizes: np.ndarray, flips: np.ndarray,
+                         size: tuple[int, int]) -> torch.Tensor:
+        """The regions, where nvImageCodec left them, resampled by one kernel launch:
+        uint8 [N, 3, H, W] on the device. The regions stay referenced by the caller until
+        the batch has been copied out, so their memory outlives the kernel."""
+        kernel = self._kernel
+        assert kernel is not None, "resampled by the kernel only where it was loaded"
+        # A copy freed before the kernel runs is safe: torch reuses memory in stream order.
+        regions = [r if r.stride()[1:] == (3, 1) else r.contiguous() for r in regions]
+        crops = kernel_crops(regions, ys, xs, boxes, sizes, flips)
+        on_device = torch.from_numpy(crops.view(np.uint8)).to(self.device)
+        pixels = torch.empty((len(regions), 3, *size), dtype=torch.uint8, device=self.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        code = kernel.gpufeed_resample_cuda(on_device.data_ptr(), len(regions),
+                                            pixels.data_ptr(), size[0], size[1], stream)
+        if code:
+            raise RuntimeError(f"the resample kernel did not launch: cudaError_t {code}")
+        return pixels
 
     def _tensor(self, image) -> torch.Tensor:
         """A decoded region as a uint8 [h, w, 3] tensor where it lies (no copy on a GPU)."""
