@@ -129,9 +129,9 @@ def host_kernel(tmp_path_factory):
 
 def test_the_resample_kernel_makes_the_batched_products_pixels(host_kernel):
     """The kernel's arithmetic (its host entry point) against the torch path, on boxes that
-    shrink, grow, touch the edges or are under a pixel, flipped or not, over regions read
-    in place from their images (rows farther apart than the region is wide): within one
-    level (float sums in another order), nearly all equal."""
+    shrink (one by 40x), grow, touch the edges or are under a pixel, flipped or not, over
+    regions read in place from their images (rows farther apart than the region is wide):
+    within one level (float sums in another order), nearly all equal."""
     rng = np.random.default_rng(8)
     images, boxes, sizes = [], [], []
     for k in range(24):
@@ -142,6 +142,10 @@ def test_the_resample_kernel_makes_the_batched_products_pixels(host_kernel):
         boxes.append((float(rng.uniform(0, height - box_h)), float(rng.uniform(0, width - box_w)),
                       box_h, box_w))
         sizes.append((height, width))
+    wide = rng.integers(0, 256, (60, 2000, 3), dtype=np.uint8)  # ~90 taps a column: past
+    images.append(wide)                                          # the kernel's cached 32
+    boxes.append((0.0, 0.0, 60.0, 2000.0))
+    sizes.append(wide.shape[:2])
     boxes, sizes = np.array(boxes), np.array(sizes)
     flips = rng.random(len(images)) < 0.5
     ys = crop_taps(boxes[:, 0], boxes[:, 2], sizes[:, 0], SIZE[0])

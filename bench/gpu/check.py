@@ -16,9 +16,15 @@ when one before it failed, so a single run of a few minutes brings back all it c
    224 x 224 uint8) delivered to the trainer's GPU by gpufeed (shm and the
    trainer's own copy; cuda_ipc; ``--decoder nvimgcodec``), by torchvision on the
    GPU, and nvImageCodec's own ceiling, with every decode thread the machine has;
-4. nvImageCodec's decode alone in the configurations the server could use
-   (``bench.gpu.probe``), and where a batch's time goes after it
-   (``bench.gpu.stages``), on the bench's JPEGs.
+4. where a batch's time goes in the ``--decoder nvimgcodec`` path
+   (``bench.gpu.stages``: the server's batch decode timed on 1 to 16 threads,
+   with the resample kernel and with torch, and profiled);
+5. nvImageCodec's decode alone in the configurations the server could use
+   (``bench.gpu.probe``), on the bench's JPEGs.
+
+``device-check.json`` is rewritten after every step, so a run stopped at its limit
+still brings back what the steps before finished. The steps' default limits add up to
+under the 570 s the device call is given.
 
 It ends with ``device-check.json`` and a short table of the GPU decode's targets
 (a ratio is only ever taken between rows of the same run). ``--dry-run`` is the
@@ -67,16 +73,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="on a machine without a GPU: a tiny bench, the CUDA parts skipped")
     p.add_argument("--data-dir", type=Path, default=_ROOT / "bench" / "data",
                    help="where bench.run builds or reuses its JPEG set (default bench/data)")
-    p.add_argument("--tests-timeout", type=float, default=200.0)
-    p.add_argument("--bench-timeout", type=float, default=300.0)
+    p.add_argument("--tests-timeout", type=float, default=150.0)
+    p.add_argument("--bench-timeout", type=float, default=240.0)
+    p.add_argument("--stages-timeout", type=float, default=60.0)
     p.add_argument("--tests", default=",".join(_TESTS),
                    help="the test modules, comma-separated (default: the three)")
     p.add_argument("--rows", default=",".join(_ROWS),
                    help="the bench rows, comma-separated (default: all of them)")
     p.add_argument("--probe", default="",
                    help="the probe's configurations, comma-separated (default: all; none: "
-                        "skip the probe, not the stages)")
-    p.add_argument("--probe-timeout", type=float, default=200.0)
+                        "skip the probe)")
+    p.add_argument("--probe-timeout", type=float, default=90.0)
     return p
 
 
@@ -85,16 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     report: dict = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dry_run": args.dry_run}
-    report["machine"] = _step("machine", _machine)
-    report["tests"] = _step("tests", _tests, args.out, args.tests.split(","), args.dry_run,
-                            args.tests_timeout)
-    report["bench"] = _step("bench", _bench, args.out, args.data_dir, args.dry_run,
-                            args.rows.split(","), args.bench_timeout)
-    report["probe"] = _step("probe", _probe, args.out, report["bench"].get("data_set"),
-                            args.probe, args.dry_run, args.probe_timeout)
-    report["targets"] = _targets(report["bench"].get("rows", {}))
-    report["seconds"] = round(time.monotonic() - started, 1)
-    (args.out / "device-check.json").write_text(json.dumps(report, indent=1))
+
+    def save() -> None:
+        report["seconds"] = round(time.monotonic() - started, 1)
+        (args.out / "device-check.json").write_text(json.dumps(report, indent=1))
+
+    def record(name: str, run, *step_args) -> dict:
+        report[name] = _step(name, run, *step_args)
+        save()
+        return report[name]
+
+    record("machine", _machine)
+    record("tests", _tests, args.out, _listed(args.tests), args.dry_run, args.tests_timeout)
+    bench = record("bench", _bench, args.out, args.data_dir, args.dry_run, _listed(args.rows),
+                   args.bench_timeout)
+    record("stages", _stages, bench.get("data_set"), args.dry_run, args.stages_timeout)
+    record("probe", _probe, args.out, bench.get("data_set"), args.probe, args.dry_run,
+           args.probe_timeout)
+    report["targets"] = _targets(bench.get("rows", {}))
+    save()
     print(_table(report), flush=True)
     ok = report["tests"].get("passed_all") and report["bench"].get("status") == "ok"
     return 0 if ok else 1
@@ -215,37 +231,45 @@ def _bench(out: Path, data_dir: Path, dry_run: bool, rows: list[str], timeout: f
             "rows": found}
 
 
-def _probe(out: Path, data_set: dict | None, configs: str, dry_run: bool, timeout: float
-           ) -> dict:
+def _listed(text: str) -> list[str]:
+    return [item for item in text.split(",") if item]
+
+
+def _stages(data_set: dict | None, dry_run: bool, timeout: float) -> dict:
+    """bench.gpu.stages; its lines are in the log."""
+    if dry_run:
+        return {"status": "not run", "note": "the stages need a GPU"}
     if not data_set:
         return {"status": "not run", "note": "the bench built no data set"}
-    began = time.monotonic()
-    found: dict = {"status": "ok"}
-    if configs != "none":
-        if dry_run:
-            configs = configs or "default-roi-b32,default-roi-b32-x4-t4"
-        written = out / "probe.json"
-        argv = [sys.executable, "-m", "bench.gpu.probe", "--data", data_set["root"],
-                "--out", str(written), *(["--seconds", "0.3"] if dry_run else []),
-                *(["--configs", configs] if configs else [])]
-        try:
-            code = subprocess.run(argv, cwd=_ROOT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            return {"status": "timed out", "note": f"the probe ran past {timeout:g} s; the log "
-                                                   "has each configuration's result so far"}
-        if code != 0 or not written.exists():
-            return {"status": "error", "exit_code": code}
-        found["configs"] = json.loads(written.read_text())
-    if dry_run:  # the stages need a GPU: nothing to time here
-        return found
-    # Where the time goes after the decode: its lines are in the log.
-    left = max(timeout - (time.monotonic() - began), 1.0)
     argv = [sys.executable, "-m", "bench.gpu.stages", "--data", data_set["root"]]
     try:
-        found["stages_exit_code"] = subprocess.run(argv, cwd=_ROOT, timeout=left).returncode
+        code = subprocess.run(argv, cwd=_ROOT, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
-        found["stages_exit_code"] = "timed out"
-    return found
+        return {"status": "timed out", "note": f"the stages ran past {timeout:g} s; the log "
+                                               "has each line so far"}
+    return {"status": "ok"} if code == 0 else {"status": "error", "exit_code": code}
+
+
+def _probe(out: Path, data_set: dict | None, configs: str, dry_run: bool, timeout: float
+           ) -> dict:
+    if configs == "none":
+        return {"status": "not run", "note": "--probe none"}
+    if not data_set:
+        return {"status": "not run", "note": "the bench built no data set"}
+    if dry_run:
+        configs = configs or "default-roi-b32,default-roi-b32-x4-t4"
+    written = out / "probe.json"
+    argv = [sys.executable, "-m", "bench.gpu.probe", "--data", data_set["root"],
+            "--out", str(written), *(["--seconds", "0.3"] if dry_run else []),
+            *(["--configs", configs] if configs else [])]
+    try:
+        code = subprocess.run(argv, cwd=_ROOT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return {"status": "timed out", "note": f"the probe ran past {timeout:g} s; the log "
+                                               "has each configuration's result so far"}
+    if code != 0 or not written.exists():
+        return {"status": "error", "exit_code": code}
+    return {"status": "ok", "configs": json.loads(written.read_text())}
 
 
 def _targets(rows: dict) -> list[dict]:

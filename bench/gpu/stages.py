@@ -36,15 +36,42 @@ def _jobs(files, sizes, boxes, at: int, batch: int):
             for row, i in enumerate(picked)]
 
 
-def _server(decoder, files, sizes, boxes, batches: int, batch: int, size) -> float:
+def _server(decoder, files, sizes, boxes, batches: int, batch: int, size, at: int = 0
+            ) -> float:
     import numpy as np
 
     out = np.zeros((batch, 3, *size), np.uint8)
     began = time.perf_counter()
-    for k in range(batches):
+    for k in range(at, at + batches):
         left = decoder.decode(_jobs(files, sizes, boxes, k * batch, batch), out)
         assert not left, f"{len(left)} handed back"
     return time.perf_counter() - began
+
+
+def _together(decoders, files, sizes, boxes, seconds: float, batch: int, size) -> str:
+    """Every decoder on a thread of its own, batch after batch for ``seconds``: the rate
+    of the batches they finished together, or the first error."""
+    done = [0] * len(decoders)
+    errors: list[str] = []
+    deadline = time.perf_counter() + seconds
+
+    def one(k: int) -> None:
+        try:
+            while time.perf_counter() < deadline:
+                _server(decoders[k], files, sizes, boxes, 1, batch, size, at=done[k] + 97 * k)
+                done[k] += 1
+        except Exception as e:  # reported, not raised in a thread nobody joins for it
+            errors.append(f"{type(e).__name__}: {e}")
+
+    began = time.perf_counter()
+    workers = [threading.Thread(target=one, args=(k,)) for k in range(len(decoders))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        return f"error: {errors[0]}"
+    return f"{sum(done) * batch / (time.perf_counter() - began):.0f} img/s ({sum(done)} batches)"
 
 
 def _interpolate(nvimgcodec, decoder, files, boxes, batches: int, batch: int, size) -> float:
@@ -90,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, required=True, help="a bench data set (bench.dataset)")
     p.add_argument("--batches", type=int, default=30)
+    p.add_argument("--seconds", type=float, default=3.0,
+                   help="how long the decoders decode together, at each thread count")
     p.add_argument("--cpu", action="store_true",
                    help="the server's path on nvImageCodec's CPU backend, to try this script "
                         "where there is no GPU (no interpolate row, no profile)")
@@ -116,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.cpu else "cuda:0")
 
     decoder = BatchJpegDecoder(device)
-    kernel = "resample kernel" if decoder._kernel is not None else "torch (no kernel built)"
+    kernel = "resample kernel" if decoder.uses_kernel else "torch (no kernel built)"
     for name, one_decoder in (("server", decoder),
                               ("server-torch", BatchJpegDecoder(device, kernel=False))):
         _server(one_decoder, files, sizes, boxes, 3, batch, size)  # warm-up
@@ -131,19 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     for d in decoders:
         _server(d, files, sizes, boxes, 1, batch, size)
     for threads in (2, 4, 16):
-        each = max(args.batches * 2 // threads, 2)
-
-        def one(k: int, each: int = each) -> None:
-            _server(decoders[k], files, sizes, boxes, each, batch, size)
-
-        began = time.perf_counter()
-        workers = [threading.Thread(target=one, args=(k,)) for k in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        wall = time.perf_counter() - began
-        print(f"stages server x{threads}: {threads * each * batch / wall:.0f} img/s", flush=True)
+        rate = _together(decoders[:threads], files, sizes, boxes, args.seconds, batch, size)
+        print(f"stages server x{threads}: {rate}", flush=True)
 
     if args.cpu:
         return 0

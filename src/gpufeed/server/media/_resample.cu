@@ -85,16 +85,25 @@ __host__ __device__ static inline int clamp_int(int v, int lo, int hi) {
     return v < lo ? lo : (v > hi ? hi : v);
 }
 
-// Output pixel (y, x) of crop `c`, its three channels into out (channel stride `plane`).
+// The x taps' weights kept per thread: more taps (a box over 15x the output's width)
+// are weighed as they are read.
+#define CACHED_TAPS 32
+
+// Output pixel (y, x) of crop `c` in an out_h x out_w output, its three channels into
+// `out` (a channel's plane `plane` bytes from the next).
 __host__ __device__ static inline void resample_pixel(const gpufeed_crop* c, int y, int x,
-                                                      int height, int width, uint8_t* out,
+                                                      int out_h, int out_w, uint8_t* out,
                                                       long long plane) {
     int ylo, yhi, xlo, xhi;
     double yc, yw, xc, xw;
-    axis_taps(c->top, c->height, c->size_y, height, y, &ylo, &yhi, &yc, &yw);
-    int xs = c->flip ? width - 1 - x : x;  // a flip mirrors which column's taps are read
-    axis_taps(c->left, c->width, c->size_x, width, xs, &xlo, &xhi, &xc, &xw);
+    axis_taps(c->top, c->height, c->size_y, out_h, y, &ylo, &yhi, &yc, &yw);
+    int xs = c->flip ? out_w - 1 - x : x;  // a flip mirrors which column's taps are read
+    axis_taps(c->left, c->width, c->size_x, out_w, xs, &xlo, &xhi, &xc, &xw);
     double ysum = taps_sum(ylo, yhi, yc, yw), xsum = taps_sum(xlo, xhi, xc, xw);
+    float cached[CACHED_TAPS];
+    int taps = xhi - xlo < CACHED_TAPS ? xhi - xlo : CACHED_TAPS;
+    for (int t = 0; t < taps; ++t)
+        cached[t] = xsum > 0.0 ? (float)(tap_weight(xlo + t, xc, xw) / xsum) : (t == 0 ? 1.f : 0.f);
     const uint8_t* src = (const uint8_t*)(uintptr_t)c->src;
     float acc[3] = {0.f, 0.f, 0.f};
     for (int j = ylo; j < yhi; ++j) {
@@ -103,8 +112,8 @@ __host__ __device__ static inline void resample_pixel(const gpufeed_crop* c, int
         const uint8_t* row = src + (long long)clamp_int(j - c->first_y, 0, c->rows - 1) * c->pitch;
         float line[3] = {0.f, 0.f, 0.f};
         for (int i = xlo; i < xhi; ++i) {
-            float wx = xsum > 0.0 ? (float)(tap_weight(i, xc, xw) / xsum)
-                                  : (i == xlo ? 1.f : 0.f);
+            float wx = i - xlo < CACHED_TAPS ? cached[i - xlo]
+                       : (xsum > 0.0 ? (float)(tap_weight(i, xc, xw) / xsum) : 0.f);
             const uint8_t* px = row + clamp_int(i - c->first_x, 0, c->cols - 1) * 3;
             line[0] += wx * px[0];
             line[1] += wx * px[1];
@@ -122,42 +131,47 @@ __host__ __device__ static inline void resample_pixel(const gpufeed_crop* c, int
 
 extern "C" {
 
-// The host entry point: the same pixels on the CPU (crops' src are host addresses).
-int gpufeed_resample_host(const gpufeed_crop* crops, int count, uint8_t* out, int height,
-                          int width) {
-    long long plane = (long long)height * width;
+// The host entry point: the same pixels on the CPU (crops' src are host addresses),
+// into out, uint8 [count, 3, out_h, out_w].
+int gpufeed_resample_host(const gpufeed_crop* crops, int count, uint8_t* out, int out_h,
+                          int out_w) {
+    long long plane = (long long)out_h * out_w;
     for (int n = 0; n < count; ++n)
-        for (int y = 0; y < height; ++y)
-            for (int x = 0; x < width; ++x)
-                resample_pixel(&crops[n], y, x, height, width,
-                               out + n * 3 * plane + (long long)y * width + x, plane);
+        for (int y = 0; y < out_h; ++y)
+            for (int x = 0; x < out_w; ++x)
+                resample_pixel(&crops[n], y, x, out_h, out_w,
+                               out + n * 3 * plane + (long long)y * out_w + x, plane);
     return 0;
 }
 
 }  // extern "C"
 
 #ifdef __CUDACC__
-__global__ static void resample_kernel(const gpufeed_crop* crops, uint8_t* out, int height,
-                                       int width) {
+__global__ static void resample_kernel(const gpufeed_crop* crops, uint8_t* out, int out_h,
+                                       int out_w) {
     int x = blockIdx.x * blockDim.x + threadIdx.x;
     int y = blockIdx.y * blockDim.y + threadIdx.y;
     int n = blockIdx.z;
-    if (x >= width || y >= height) return;
-    long long plane = (long long)height * width;
-    resample_pixel(&crops[n], y, x, height, width,
-                   out + n * 3 * plane + (long long)y * width + x, plane);
+    if (x >= out_w || y >= out_h) return;
+    long long plane = (long long)out_h * out_w;
+    resample_pixel(&crops[n], y, x, out_h, out_w,
+                   out + n * 3 * plane + (long long)y * out_w + x, plane);
 }
 
 extern "C" {
 
-// Queue the batch on `stream` (a cudaStream_t); crops and out are device memory.
-// Returns the launch's cudaError_t (0: queued).
-int gpufeed_resample_cuda(const gpufeed_crop* crops, int count, uint8_t* out, int height,
-                          int width, void* stream) {
+// Queue the batch on `stream` (a cudaStream_t) of GPU `device`; crops and out are
+// device memory. Returns the cudaError_t (0: queued), or -1 for a count the grid
+// cannot hold (over 65535 crops).
+int gpufeed_resample_cuda(const gpufeed_crop* crops, int count, uint8_t* out, int out_h,
+                          int out_w, int device, void* stream) {
     if (count <= 0) return 0;
+    if (count > 65535) return -1;
+    cudaError_t set = cudaSetDevice(device);  // this library's own runtime, on torch's GPU
+    if (set != cudaSuccess) return (int)set;
     dim3 block(32, 8);
-    dim3 grid((width + block.x - 1) / block.x, (height + block.y - 1) / block.y, count);
-    resample_kernel<<<grid, block, 0, (cudaStream_t)stream>>>(crops, out, height, width);
+    dim3 grid((out_w + block.x - 1) / block.x, (out_h + block.y - 1) / block.y, count);
+    resample_kernel<<<grid, block, 0, (cudaStream_t)stream>>>(crops, out, out_h, out_w);
     return (int)cudaGetLastError();
 }
 

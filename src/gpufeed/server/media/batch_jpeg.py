@@ -5,22 +5,22 @@ images in one call: on a GPU with its hardware JPEG decoder where the chip has
 one and nvJPEG's CUDA decoder where not; without a GPU, with its libjpeg-turbo
 CPU backend (so this path is exercised, and tested, on any machine).
 
-With the flag, a stream's JPEG rows are not decoded by the decode threads:
-each thread reads its sample's bytes and draws its crop box from the size the
-header declares (``defer``), and the thread that finishes the batch decodes
-every row's region (the box's enclosing pixels, as a region of interest: only
-they are decoded) in one call (``BatchJpegDecoder.decode``). The regions are
-then resampled to the output on the decoder's device with the CPU path's filter
-over each box's exact, sub-pixel position (``crop_taps``: Pillow's bilinear
-triangle, widened when shrinking, as src/gpufeed/server/media/_jpeg.c computes
-it), mirrored for a flip, into the batch's rows: by one launch of gpufeed's CUDA
-kernel (_resample.cu) where bench/gpu/prepare.sh built it, else by two batched
-matrix products (``resample``, on any device). Either is within a level or two
-of Pillow cropping and resizing the same box, and within one of the other. It agrees as closely with the CPU path where that decodes
-at full scale; where the box is twice the output or more, the CPU path lets
-libjpeg shrink it in the IDCT (a coarser filter, ~30 dB against Pillow), and this
-path, decoding the region at full scale, is the closer of the two. What this path
-does not take (another format, a CMYK or YCCK JPEG, a file cut short) or cannot
+With the flag, a stream's JPEG rows are not decoded by the decode threads: each
+thread reads its sample's bytes and draws its crop box from the size the header
+declares (``defer``), and the thread that finishes the batch decodes every row's
+region (the box's enclosing pixels, as a region of interest: only they are decoded)
+in one call (``BatchJpegDecoder.decode``). The regions are then resampled to the
+output on the decoder's device with the CPU path's filter over each box's exact,
+sub-pixel position (``crop_taps``: Pillow's bilinear triangle, widened when
+shrinking, as src/gpufeed/server/media/_jpeg.c computes it), mirrored for a flip,
+into the batch's rows: by one launch of gpufeed's CUDA kernel (_resample.cu) where
+bench/gpu/prepare.sh built it, else by two batched matrix products (``resample``, on
+any device). Either is within a level or two of Pillow cropping and resizing the
+same box, and within one of the other. It agrees as closely with the CPU path where
+that decodes at full scale; where the box is twice the output or more, the CPU path
+lets libjpeg shrink it in the IDCT (a coarser filter, ~30 dB against Pillow), and
+this path, decoding the region at full scale, is the closer of the two. What this
+path does not take (another format, a CMYK or YCCK JPEG, a file cut short) or cannot
 decode (a broken file) is decoded by the CPU path from the same bytes, so it comes
 out, or fails, exactly as without the flag.
 """
@@ -57,7 +57,9 @@ _CROP = np.dtype([("src", "<u8"), ("pitch", "<i8"), ("first_y", "<i4"), ("first_
                   ("top", "<f8"), ("left", "<f8"), ("height", "<f8"), ("width", "<f8"),
                   ("flip", "<i4"), ("unused", "<i4")])
 assert _CROP.itemsize == 80, "must match sizeof(gpufeed_crop)"
-_KERNEL = Path(__file__).with_name("_resample.so")  # built by bench/gpu/prepare.sh (nvcc)
+# The kernel's library: bench/gpu/prepare.sh builds it with nvcc into .gpu/ext/, and the
+# device check's run.sh puts it here, beside this module.
+_KERNEL = Path(__file__).with_name("_resample.so")
 _kernel: Any = None  # the loaded library, or False where there is none
 
 
@@ -136,7 +138,8 @@ def _open_kernel(path: Path) -> ctypes.CDLL:
     lib.gpufeed_resample_host.argtypes = [pointer, number, pointer, number, number]
     lib.gpufeed_resample_host.restype = number
     if hasattr(lib, "gpufeed_resample_cuda"):  # absent from a build without nvcc
-        lib.gpufeed_resample_cuda.argtypes = [pointer, number, pointer, number, number, pointer]
+        lib.gpufeed_resample_cuda.argtypes = [pointer, number, pointer, number, number, number,
+                                              pointer]
         lib.gpufeed_resample_cuda.restype = number
     return lib
 
@@ -181,14 +184,8 @@ class Taps:
     widen: np.ndarray  # float64 [N]
     lo: np.ndarray  # int64 [N, out]
     hi: np.ndarray  # int64 [N, out]
-
-    @property
-    def first(self) -> np.ndarray:
-        return self.lo.min(axis=1)
-
-    @property
-    def last(self) -> np.ndarray:
-        return self.hi.max(axis=1)
+    first: np.ndarray  # int64 [N]: lo's least
+    last: np.ndarray  # int64 [N]: hi's greatest
 
 
 def crop_taps(starts: np.ndarray, lengths: np.ndarray, sizes: np.ndarray, out: int) -> Taps:
@@ -208,7 +205,7 @@ def crop_taps(starts: np.ndarray, lengths: np.ndarray, sizes: np.ndarray, out: i
     edge = hi <= lo
     lo = np.where(edge, np.where(centre < 0.5, 0, sizes - 1), lo)
     hi = np.where(edge, lo + 1, hi)
-    return Taps(centre, widen, lo, hi)
+    return Taps(centre, widen, lo, hi, lo.min(axis=1), hi.max(axis=1))
 
 
 def resample_weights(taps: Taps, span: int, device: torch.device) -> torch.Tensor:
@@ -293,7 +290,8 @@ class BatchJpegDecoder:
         else with torch."""
         nvimgcodec = load()
         self.device = device
-        self._kernel = _cuda_kernel() if kernel and device.type == "cuda" else None
+        # The kernel's library, or None: resampled with torch.
+        self._library = _cuda_kernel() if kernel and device.type == "cuda" else None
         if device.type == "cuda":
             # One CPU thread per decoder: the server runs a decoder on each decode thread,
             # and nvImageCodec's default (a thread per core each) measured slower.
@@ -307,6 +305,11 @@ class BatchJpegDecoder:
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
                                                color_spec=nvimgcodec.ColorSpec.SRGB)
         self._nvimgcodec = nvimgcodec
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether batches are resampled by gpufeed's CUDA kernel (else by torch)."""
+        return self._library is not None
 
     def decode(self, jobs: list[Deferred], out: np.ndarray) -> list[Deferred]:
         """Write each job's row of ``out`` (uint8 [N, 3, H, W], host memory); returns the
@@ -352,7 +355,7 @@ class BatchJpegDecoder:
         regions, kept = [], []
         for k, (image, h, w) in enumerate(zip(decoded, *spans)):
             region = self._tensor(image) if image is not None else None
-            if region is None or tuple(region.shape) != (h, w, 3):
+            if region is None or tuple(region.shape) != (h, w, 3) or region.dtype != torch.uint8:
                 failed.append(jobs[taken[k]])
                 continue
             regions.append(region)
@@ -363,10 +366,11 @@ class BatchJpegDecoder:
         rows = [jobs[i].row for i in pick]
         ys, xs = _pick(ys, pick), _pick(xs, pick)
         flips = np.array([jobs[i].flip for i in pick])
-        if self._kernel is not None:
+        pixels = None
+        if self._library is not None:
             pixels = self._resample_kernel(regions, ys, xs, boxes[pick], sizes[pick], flips,
                                            (height, width))
-        else:  # every region into one zero-padded batch, then two batched matrix products
+        if pixels is None:  # every region into one zero-padded batch, two batched products
             padded = torch.zeros((len(regions), int(spans[0].max()), int(spans[1].max()), 3),
                                  dtype=torch.uint8, device=self.device)
             for k, region in enumerate(regions):
@@ -380,22 +384,29 @@ class BatchJpegDecoder:
 
     def _resample_kernel(self, regions: list[torch.Tensor], ys: Taps, xs: Taps,
                          boxes: np.ndarray, sizes: np.ndarray, flips: np.ndarray,
-                         size: tuple[int, int]) -> torch.Tensor:
+                         out_size: tuple[int, int]) -> torch.Tensor | None:
         """The regions, where nvImageCodec left them, resampled by one kernel launch:
-        uint8 [N, 3, H, W] on the device. The regions stay referenced by the caller until
-        the batch has been copied out, so their memory outlives the kernel."""
-        kernel = self._kernel
-        assert kernel is not None, "resampled by the kernel only where it was loaded"
+        uint8 [N, 3, H, W] on the device. ``sizes``: the source images' (height, width).
+        The regions stay referenced by the caller until the batch has been copied out, so
+        their memory outlives the kernel. None if the kernel does not launch (a driver
+        older than its CUDA runtime, a chip it was not built for): it is then left off for
+        this decoder, said once, and torch resamples."""
+        library = self._library
+        assert library is not None, "resampled by the kernel only where it was loaded"
         # A copy freed before the kernel runs is safe: torch reuses memory in stream order.
         regions = [r if r.stride()[1:] == (3, 1) else r.contiguous() for r in regions]
         crops = kernel_crops(regions, ys, xs, boxes, sizes, flips)
         on_device = torch.from_numpy(crops.view(np.uint8)).to(self.device)
-        pixels = torch.empty((len(regions), 3, *size), dtype=torch.uint8, device=self.device)
+        pixels = torch.empty((len(regions), 3, *out_size), dtype=torch.uint8, device=self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        code = kernel.gpufeed_resample_cuda(on_device.data_ptr(), len(regions),
-                                            pixels.data_ptr(), size[0], size[1], stream)
+        code = library.gpufeed_resample_cuda(on_device.data_ptr(), len(regions),
+                                             pixels.data_ptr(), out_size[0], out_size[1],
+                                             self.device.index or 0, stream)
         if code:
-            raise RuntimeError(f"the resample kernel did not launch: cudaError_t {code}")
+            _log.warning("gpufeed's resample kernel did not launch (code %d); this decode "
+                         "thread resamples with torch from now on", code)
+            self._library = None
+            return None
         return pixels
 
     def _tensor(self, image) -> torch.Tensor:
@@ -410,4 +421,5 @@ class BatchJpegDecoder:
 
 
 def _pick(taps: Taps, rows: np.ndarray) -> Taps:
-    return Taps(taps.centre[rows], taps.widen[rows], taps.lo[rows], taps.hi[rows])
+    return Taps(taps.centre[rows], taps.widen[rows], taps.lo[rows], taps.hi[rows],
+                taps.first[rows], taps.last[rows])
