@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import struct
 import sys
 import tempfile
 import threading
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .headers import jpeg_markers
 from .output import Box
 
 __all__ = ["BatchJpegDecoder", "Deferred", "Taps", "crop_taps", "describe", "kernel_crops",
@@ -265,19 +267,14 @@ def _whole(data: bytes) -> bool:
     has an end marker of its own); inside the scan a 0xFF byte is followed by 0x00 or a
     restart marker, so an FF D9 after it is the end (looked for from the file's end,
     where it is, rather than through the compressed data)."""
-    at = 2
-    while at + 4 <= len(data):
-        if data[at] != 0xFF:
-            return False
-        marker = data[at + 1]
-        if marker == 0xFF:  # fill byte
-            at += 1
-        elif marker == 0xDA:  # start of scan; the end is found from the file's end
-            return data.rfind(b"\xff\xd9", at + 2) != -1
-        elif 0xD0 <= marker <= 0xD8 or marker == 0x01:  # markers without a length
-            at += 2
-        else:
-            at += 2 + int.from_bytes(data[at + 2:at + 4], "big")
+    try:
+        for marker, at in jpeg_markers(data):
+            if marker == 0xD9:  # an end before any scan: no image
+                return False
+            if marker == 0xDA:  # start of scan
+                return data.rfind(b"\xff\xd9", at + 2) != -1
+    except struct.error:  # a header segment cut short
+        pass
     return False
 
 

@@ -10,8 +10,9 @@ size FFmpeg's probe reports before decoding a frame.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 
-__all__ = ["declared_size"]
+__all__ = ["declared_size", "jpeg_markers"]
 
 # Start-of-frame markers (not DHT C4, JPG C8, DAC CC), which carry the frame size.
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -36,22 +37,33 @@ def declared_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def _jpeg(data: bytes) -> tuple[int, int] | None:
+def jpeg_markers(data: bytes) -> Iterator[tuple[int, int]]:
+    """(marker, offset) of each marker of a JPEG's header, from after its start-of-image
+    marker to its first start of scan (0xDA) included, walked by the segments' lengths
+    (so a thumbnail inside an APP segment is skipped whole). Stops early at anything
+    that is not a marker; struct.error for a segment cut short."""
     i = 2
     while i + 4 <= len(data):
         if data[i] != 0xFF:
-            return None
+            return
         marker = data[i + 1]
         if marker == 0xFF:  # fill byte
             i += 1
             continue
-        if marker in _SOF:
-            height, width = struct.unpack(">HH", data[i + 5:i + 9])
-            return width, height
+        yield marker, i
+        if marker == 0xDA:
+            return
         if 0xD0 <= marker <= 0xD9 or marker == 0x01:  # markers without a length
             i += 2
             continue
         i += 2 + struct.unpack(">H", data[i + 2:i + 4])[0]
+
+
+def _jpeg(data: bytes) -> tuple[int, int] | None:
+    for marker, i in jpeg_markers(data):
+        if marker in _SOF:
+            height, width = struct.unpack(">HH", data[i + 5:i + 9])
+            return width, height
     return None
 
 
