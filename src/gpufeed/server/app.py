@@ -64,10 +64,10 @@ def _load_plugins(modules: list[str], threads: int) -> None:
     set_process_count(threads)
 
 
-def _batch_device(config: ServerConfig) -> torch.device | None:
-    """Where JPEGs are decoded a batch at a time (``--decoder nvimgcodec``: the server's
-    --device, a GPU or the CPU backend), saying so in the log; None for the CPU path.
-    RuntimeError, saying what to install, without nvImageCodec."""
+def _batch_decoders(config: ServerConfig) -> batch_jpeg.BatchDecoders | None:
+    """The decoders that decode JPEGs a batch at a time (``--decoder nvimgcodec``: on the
+    server's --device, a GPU or the CPU backend), saying so in the log; None for the CPU
+    path. RuntimeError, saying what to install, without nvImageCodec."""
     if config.decoder == "cpu":
         _log.info(jpeg.describe())
         return None
@@ -78,7 +78,7 @@ def _batch_device(config: ServerConfig) -> torch.device | None:
         _log.info(batch_jpeg.describe(device))
     except ImportError as e:
         raise RuntimeError(str(e)) from None
-    return device
+    return batch_jpeg.BatchDecoders(device)
 
 
 class FeedServer:
@@ -95,10 +95,9 @@ class FeedServer:
 
             device = check_device(config.device)
         _load_plugins(config.plugins, config.threads)
-        batch_device = _batch_device(config)
+        batch = _batch_decoders(config)
         self._shm = ShmNamespace()
-        self._pool = DecodePool(config.threads, partial(Decoders, config.max_pixels,
-                                                        batch_device))
+        self._pool = DecodePool(config.threads, partial(Decoders, config.max_pixels, batch))
         self._watchdog = Watchdog()
         try:
             self._build(config, device)

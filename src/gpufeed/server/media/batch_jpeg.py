@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import queue
 import struct
 import sys
 import tempfile
@@ -44,8 +45,9 @@ import torch
 from .headers import jpeg_markers
 from .output import Box
 
-__all__ = ["BatchJpegDecoder", "Deferred", "Taps", "crop_taps", "describe", "kernel_crops",
-           "load", "load_kernel", "resample", "resample_weights", "takes"]
+__all__ = ["CONCURRENT", "BatchDecoders", "BatchJpegDecoder", "Deferred", "Taps", "crop_taps",
+           "describe", "kernel_crops", "load", "load_kernel", "resample", "resample_weights",
+           "takes"]
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -63,6 +65,10 @@ assert _CROP.itemsize == 80, "must match sizeof(gpufeed_crop)"
 # device check's run.sh puts it here, beside this module.
 _KERNEL = Path(__file__).with_name("_resample.so")
 _kernel: Any = None  # the loaded library, or False where there is none
+# How many batches decode at once on one device (BatchDecoders). On an H100 the server's
+# batch decode made 4360 images/s on one thread, 4606 on 2, 4375 on 4 and 3849 on 16
+# (bench/RESULTS.md, "On an H100"): the decoders contend for the chip beyond two.
+CONCURRENT = 2
 
 
 def takes(data: bytes) -> bool:
@@ -278,9 +284,31 @@ def _whole(data: bytes) -> bool:
     return False
 
 
+class BatchDecoders:
+    """The server's batched decoders on one device, shared by its decode threads: a
+    thread that finishes a batch takes a free one for the batch's decode, or waits for
+    one. Made when the server starts, so that the first batches do not each pay for a
+    decoder (nvImageCodec's set-up on a GPU takes a good part of a second), and ``count``
+    of them (``CONCURRENT``), not one per decode thread: more decode no faster."""
+
+    def __init__(self, device: torch.device, count: int = CONCURRENT):
+        self.device = device
+        self._free: queue.SimpleQueue[BatchJpegDecoder] = queue.SimpleQueue()
+        for _ in range(count):
+            self._free.put(BatchJpegDecoder(device))
+
+    def decode(self, jobs: list[Deferred], out: np.ndarray) -> list[Deferred]:
+        """``BatchJpegDecoder.decode`` on the first decoder free."""
+        decoder = self._free.get()
+        try:
+            return decoder.decode(jobs, out)
+        finally:
+            self._free.put(decoder)
+
+
 class BatchJpegDecoder:
-    """One decode thread's nvImageCodec decoder, on ``device`` (a GPU, or the CPU
-    backend), with its own CUDA stream so that threads decode at once."""
+    """One nvImageCodec decoder on ``device`` (a GPU, or the CPU backend), with its own
+    CUDA stream so that decoders decode at once; one thread at a time uses it."""
 
     def __init__(self, device: torch.device, kernel: bool = True):
         """``kernel``: resample with gpufeed's CUDA kernel where it was built (on a GPU),
@@ -290,8 +318,9 @@ class BatchJpegDecoder:
         # The kernel's library, or None: resampled with torch.
         self._library = _cuda_kernel() if kernel and device.type == "cuda" else None
         if device.type == "cuda":
-            # One CPU thread per decoder: the server runs a decoder on each decode thread,
-            # and nvImageCodec's default (a thread per core each) measured slower.
+            # One CPU thread per decoder: the server runs several decoders at once
+            # (BatchDecoders), and nvImageCodec's default (a thread per core each)
+            # measured slower.
             self._decoder = nvimgcodec.Decoder(device_id=device.index or 0, max_num_cpu_threads=1)
             self._stream = torch.cuda.Stream(device)
         else:
@@ -373,11 +402,28 @@ class BatchJpegDecoder:
             for k, region in enumerate(regions):
                 padded[k, :region.shape[0], :region.shape[1]] = region
             pixels = resample(padded, ys, xs, flips)
-        if rows == list(range(out.shape[0])):
-            torch.from_numpy(out).copy_(pixels)
-        else:
-            torch.from_numpy(out)[rows] = pixels.cpu()
+        self._copy_out(pixels, rows, out)
         return failed
+
+    def _copy_out(self, pixels: torch.Tensor, rows: list[int], out: np.ndarray) -> None:
+        """The batch's pixels into their rows of ``out``. On a GPU the thread sleeps until
+        the copy is done (an event with blocking sync): a plain copy would have it spin
+        on a core for as long as the decode and resampling queued before it take."""
+        whole = rows == list(range(out.shape[0]))
+        if self.device.type != "cuda":
+            if whole:
+                torch.from_numpy(out).copy_(pixels)
+            else:
+                torch.from_numpy(out)[rows] = pixels
+            return
+        host = torch.from_numpy(out) if whole else torch.empty(
+            tuple(pixels.shape), dtype=torch.uint8, pin_memory=True)
+        host.copy_(pixels, non_blocking=True)  # into pinned memory, queued; pageable: waits
+        done = torch.cuda.Event(blocking=True)
+        done.record()
+        done.synchronize()
+        if not whole:
+            torch.from_numpy(out)[rows] = host
 
     def _resample_kernel(self, regions: list[torch.Tensor], ys: Taps, xs: Taps,
                          boxes: np.ndarray, sizes: np.ndarray, flips: np.ndarray,

@@ -19,14 +19,13 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
-import torch
 
 from ..config import DEFAULT_MAX_PIXELS
 from ..storage.readahead import StreamReads
 from ..storage.s3 import is_s3
 from . import batch_jpeg
 from .arrays import array_layout, check, read_arrays
-from .batch_jpeg import BatchJpegDecoder, Deferred
+from .batch_jpeg import BatchDecoders, Deferred
 from .decode import ImageDecoder
 from .draws import CLIP, sample_draws
 from .fields import SampleFields
@@ -103,29 +102,22 @@ def timed_read(stages: Mapping[str, Any], read: Callable[[], _Data]) -> tuple[_D
 
 
 class Decoders:
-    """One decode thread's decoders, made when first needed. ``batch_device``: where
-    JPEGs are decoded a batch at a time (``--decoder nvimgcodec``: batch_jpeg.py), or
-    None (the decode threads decode them)."""
+    """One decode thread's decoders, made when first needed. ``batch``: the server's
+    shared decoders that decode JPEGs a batch at a time (``--decoder nvimgcodec``:
+    batch_jpeg.py), or None (the decode threads decode them)."""
 
     def __init__(self, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 batch_device: torch.device | None = None) -> None:
+                 batch: BatchDecoders | None = None) -> None:
         self.image = ImageDecoder(max_pixels)
         self.max_pixels = max_pixels
-        self.batch_device = batch_device
+        self.batch = batch
         self._video: VideoDecoder | None = None
-        self._batch: BatchJpegDecoder | None = None
 
     @property
     def video(self) -> VideoDecoder:
         if self._video is None:
             self._video = VideoDecoder(max_pixels=self.max_pixels)
         return self._video
-
-    @property
-    def batch(self) -> BatchJpegDecoder | None:
-        if self._batch is None and self.batch_device is not None:
-            self._batch = BatchJpegDecoder(self.batch_device)
-        return self._batch
 
 
 class RowReader(Protocol):
@@ -206,7 +198,7 @@ class ImageRows(RowReader):
         drawn from that size now); anything else, or fields beside the image (they need
         the pixels' window first), is decoded now."""
         data, read = self._read(storage, path, index, stages)
-        size = declared_size(data) if self.fields is None and decoders.batch_device is not None \
+        size = declared_size(data) if self.fields is None and decoders.batch is not None \
             and batch_jpeg.takes(data) else None
         if size is None:
             self._decode(storage, path, index, data, arrays, row, decoders, stages, read)
