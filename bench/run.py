@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="decode threads / parallel calls (default: cores, %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="batches before the clock starts")
+    p.add_argument("--prefetch", type=int, default=0,
+                   help="gpufeed's batches decoded ahead of the trainer (default: the server's, 4)")
     p.add_argument("--psnr-images", type=int, default=200,
                    help="files to check the decoder's accuracy on (0: skip)")
     p.add_argument("--repeat", type=int, default=1,
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
                     batch_size=args.batch_size, size=(args.size, args.size), passes=args.passes,
                     threads=args.threads, warmup=args.warmup,
                     arrays_root=str(array_set.root.resolve()) if array_set else "",
-                    array_passes=args.array_passes)
+                    array_passes=args.array_passes, prefetch=args.prefetch)
     accuracy = None
     if args.psnr_images:
         accuracy = decoder_psnr(config.paths[:args.psnr_images], config.size)

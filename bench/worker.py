@@ -35,6 +35,7 @@ class Config:
     warmup: int = 3
     arrays_root: str = ""  # the .npy/.npz set (bench.arrays), for the array rows
     array_passes: int = 10
+    prefetch: int = 0  # gpufeed's batches decoded ahead of the trainer; 0: the server's default
 
     @property
     def paths(self) -> list[str]:

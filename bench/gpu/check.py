@@ -77,9 +77,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-timeout", type=float, default=240.0)
     p.add_argument("--stages-timeout", type=float, default=60.0)
     p.add_argument("--tests", default=",".join(_TESTS),
-                   help="the test modules, comma-separated (default: the three)")
+                   help="the test modules, comma-separated (default: the three; none: skip "
+                        "the tests)")
     p.add_argument("--rows", default=",".join(_ROWS),
                    help="the bench rows, comma-separated (default: all of them)")
+    p.add_argument("--prefetch", type=int, default=0,
+                   help="the gpufeed rows' batches ahead (bench.run --prefetch; default: the "
+                        "server's)")
     p.add_argument("--probe", default="",
                    help="the probe's configurations, comma-separated (default: all; none: "
                         "skip the probe)")
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     record("machine", _machine)
     record("tests", _tests, args.out, _listed(args.tests), args.dry_run, args.tests_timeout)
     bench = record("bench", _bench, args.out, args.data_dir, args.dry_run, _listed(args.rows),
-                   args.bench_timeout)
+                   args.prefetch, args.bench_timeout)
     record("stages", _stages, bench.get("data_set"), args.dry_run, args.stages_timeout)
     record("probe", _probe, args.out, bench.get("data_set"), args.probe, args.dry_run,
            args.probe_timeout)
@@ -178,6 +182,8 @@ def _command(argv: list[str]) -> str:
 
 
 def _tests(out: Path, modules: list[str], dry_run: bool, timeout: float) -> dict:
+    if modules == ["none"]:
+        return {"status": "not run", "passed_all": True, "note": "--tests none"}
     junit = out / "junit.xml"
     # A dry run collects every module from the laid-out copy but runs only the CUDA
     # tests, which skip without a device: the suite runs the rest from the checkout.
@@ -207,7 +213,8 @@ def _tests(out: Path, modules: list[str], dry_run: bool, timeout: float) -> dict
             "passed_all": code == 0 and not failed}
 
 
-def _bench(out: Path, data_dir: Path, dry_run: bool, rows: list[str], timeout: float) -> dict:
+def _bench(out: Path, data_dir: Path, dry_run: bool, rows: list[str], prefetch: int,
+           timeout: float) -> dict:
     size = ["--images", "48", "--passes", "1", "--batch-size", "8", "--size", "64", "--warmup",
             "1", "--threads", "2"] if dry_run else ["--passes", "5"]  # 2000 images, every core
     # A dry run: the CPU row, and one GPU row to say "no CUDA device" (each row is a
@@ -215,7 +222,8 @@ def _bench(out: Path, data_dir: Path, dry_run: bool, rows: list[str], timeout: f
     if dry_run:
         rows = [_ROWS[0], _ROWS[2]]
     argv = [sys.executable, "-m", "bench.run", "--rows", ",".join(rows), "--psnr-images", "0",
-            "--row-timeout", "120", "--data-dir", str(data_dir), "--out", str(out), *size]
+            "--row-timeout", "120", "--data-dir", str(data_dir), "--out", str(out),
+            "--prefetch", str(prefetch), *size]
     try:
         code = subprocess.run(argv, cwd=_ROOT, timeout=timeout).returncode
     except subprocess.TimeoutExpired:

@@ -1,17 +1,19 @@
 """``python -m bench.gpu.stages``: where a batch's time goes after nvImageCodec decodes it.
 
-The device check's probe found nvImageCodec's batched region decode alone at
-11,000-14,000 images/s on an H100, at 0.1-0.3 CPU s per 1000 images, while the
-server's ``--decoder nvimgcodec`` row made 500-600 images/s and the no-service
-ceiling row (a per-image antialiased ``interpolate``) about 850. So the time is in
-what follows the decode. This times, on the bench's JPEGs, a batch of random
-crops through:
+The device check's probe finds nvImageCodec's batched region decode alone at
+10,000-15,000 images/s on an H100, at 0.1-0.3 CPU s per 1000 images, while the
+server's ``--decoder nvimgcodec`` row makes 1500-2300 images/s. So the time is in
+what follows the decode, or around it. This times, on the bench's JPEGs, a batch of
+random crops through:
 
 - ``server``: the server's own ``BatchJpegDecoder.decode`` (regions, the batch's
   resampling, the batch copied to host memory), on one thread and on 2, 4 and 16
   at once (the server's decode threads, each with its decoder); resampled by the
   CUDA kernel where prepare.sh built it, and, on one thread, by torch
   (``server-torch``);
+- ``server x2 beside readers``: two of them while 14 (or 2) more threads read and
+  parse the files as the server's decode threads do, with Python's default GIL
+  switch interval and with 0.5 ms;
 - ``interpolate``: the ceiling row's per-image ``interpolate(antialias=True)``;
 
 and prints torch.profiler's busiest operations for each, CPU and GPU.
@@ -72,6 +74,36 @@ def _together(decoders, files, sizes, boxes, seconds: float, batch: int, size) -
     if errors:
         return f"error: {errors[0]}"
     return f"{sum(done) * batch / (time.perf_counter() - began):.0f} img/s ({sum(done)} batches)"
+
+
+def _beside_readers(decoders, paths, files, sizes, boxes, seconds: float, batch: int, size,
+                    readers: int) -> str:
+    """``_together`` while ``readers`` more threads read and parse the bench's files the
+    way the server's decode threads do in this path (the bytes, then the header's
+    size), as fast as they can: whether the readers, contending for the GIL, slow the
+    batch decode that the served row waits on."""
+    from gpufeed.server.media.headers import declared_size
+
+    stop = threading.Event()
+    read = [0] * readers
+
+    def one(k: int) -> None:
+        while not stop.is_set():
+            declared_size(paths[(read[k] * readers + k) % len(paths)].read_bytes())
+            read[k] += 1
+
+    workers = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(readers)]
+    began = time.perf_counter()
+    for w in workers:
+        w.start()
+    try:
+        rate = _together(decoders, files, sizes, boxes, seconds, batch, size)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    reads = sum(read) / (time.perf_counter() - began)
+    return f"{rate}, {readers} readers reading {reads:.0f} files/s"
 
 
 def _interpolate(nvimgcodec, decoder, files, boxes, batches: int, batch: int, size) -> float:
@@ -162,6 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     for threads in (2, 4, 16):
         rate = _together(decoders[:threads], files, sizes, boxes, args.seconds, batch, size)
         print(f"stages server x{threads}: {rate}", flush=True)
+    # The served row makes about half of what two decoders make alone, with its 16
+    # threads mostly idle: are the threads reading beside the decode what slows it?
+    paths = [args.data / n for n in names]
+    for readers, interval in ((14, None), (14, 0.0005), (2, None)):
+        default = sys.getswitchinterval()
+        if interval is not None:
+            sys.setswitchinterval(interval)
+        try:
+            rate = _beside_readers(decoders[:2], paths, files, sizes, boxes, args.seconds,
+                                   batch, size, readers)
+        finally:
+            sys.setswitchinterval(default)
+        switch = f", GIL switch interval {interval * 1000:g} ms" if interval else ""
+        print(f"stages server x2 beside readers{switch}: {rate}", flush=True)
 
     if args.cpu:
         return 0

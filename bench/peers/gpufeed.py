@@ -33,8 +33,11 @@ from .. import jobs
 from ..trainer import TrainerProcess
 
 
-def _options(job: str, size: tuple[int, int], transform: str = "") -> dict:
-    """The loader options that make gpufeed do ``job`` (``transform``: train-pyloop's)."""
+def _options(job: str, size: tuple[int, int], transform: str = "", prefetch: int = 0) -> dict:
+    """The loader options that make gpufeed do ``job`` (``transform``: train-pyloop's;
+    ``prefetch``: batches ahead, 0 for the server's default)."""
+    if prefetch:
+        return {"prefetch": prefetch, **_options(job, size, transform)}
     if job == "squash":
         return {}
     if job == "eval":
@@ -77,7 +80,8 @@ def run(config, meter, job: str, transport: str, transform: str = "") -> str:
         args += ["--plugins", "bench.gil_plugin"]
     with ServerProcess(args) as server, FeedClient(server.address) as feed:
         loader = feed.loader(files=config.list_file, batch_size=config.batch_size,
-                             size=size, transport=transport, **_options(job, size, transform))
+                             size=size, transport=transport,
+                             **_options(job, size, transform, config.prefetch))
         measure(loader, config, meter, job)
         if loader.transport != transport:
             raise RuntimeError(f"asked for {transport}, the server chose {loader.transport}")
@@ -111,7 +115,8 @@ def run_gpu(config, meter, job: str, how: str) -> str:
         raise
     with server, FeedClient(server.address) as feed:
         loader = feed.loader(files=config.list_file, batch_size=config.batch_size,
-                             size=size, transport=transport, **_options(job, size))
+                             size=size, transport=transport,
+                             **_options(job, size, prefetch=config.prefetch))
         measure(loader, config, meter, job, to_gpu=how == "shm-h2d")
         if loader.transport != transport:
             raise RuntimeError(f"asked for {transport}, the server chose {loader.transport}")
