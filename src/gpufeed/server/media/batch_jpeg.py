@@ -65,9 +65,10 @@ assert _CROP.itemsize == 80, "must match sizeof(gpufeed_crop)"
 # device check's run.sh puts it here, beside this module.
 _KERNEL = Path(__file__).with_name("_resample.so")
 _kernel: Any = None  # the loaded library, or False where there is none
-# How many batches decode at once on one device (BatchDecoders). On an H100 the server's
-# batch decode made 4360 images/s on one thread, 4606 on 2, 4375 on 4 and 3849 on 16
-# (bench/RESULTS.md, "On an H100"): the decoders contend for the chip beyond two.
+# How many batches decode at once on one device (BatchDecoders). The server's batch decode
+# made, on 1, 2, 4 and 16 threads: 4360, 4606, 4375 and 3849 images/s on an H100; 4620,
+# 5089, 4219 and 4206 on an H200 (bench/RESULTS.md, "On a GPU"): beyond two, the
+# decoders contend for the chip.
 CONCURRENT = 2
 
 
