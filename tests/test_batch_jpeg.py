@@ -25,10 +25,9 @@ from PIL import Image
 
 from gpufeed.client import FeedClient, Field
 from gpufeed.server.demo import synthetic_photo
-from gpufeed.server.media import batch_jpeg, jpeg
-from gpufeed.server.media.batch_jpeg import (
-    BatchJpegDecoder,
-    Deferred,
+from gpufeed.server.media import batch_jpeg, batch_resample, jpeg
+from gpufeed.server.media.batch_jpeg import BatchJpegDecoder, Deferred
+from gpufeed.server.media.batch_resample import (
     crop_taps,
     kernel_crops,
     resample,
@@ -121,10 +120,10 @@ def host_kernel(tmp_path_factory):
     if compiler is None:
         pytest.skip("no C++ compiler")
     built = tmp_path_factory.mktemp("kernel") / "_resample.so"
-    source = Path(batch_jpeg.__file__).with_name("_resample.cu")
+    source = Path(batch_resample.__file__).with_name("_resample.cu")
     subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-x", "c++", str(source), "-o",
                     str(built)], check=True, timeout=120)
-    return batch_jpeg.load_kernel(built)
+    return batch_resample.load_kernel(built)
 
 
 def test_the_resample_kernel_makes_the_batched_products_pixels(host_kernel):
@@ -307,7 +306,7 @@ def test_on_the_gpu_a_batch_of_regions_is_pillows_crop_and_resize():
 def test_on_the_gpu_the_resample_kernel_makes_the_torch_paths_pixels():
     """Where bench/gpu/prepare.sh built the kernel (the device check), a batch of random
     crops of photos of random sizes, flipped or not, resampled by it and by torch."""
-    if batch_jpeg.load_kernel() is None:
+    if batch_resample.load_kernel() is None:
         pytest.skip("the resample kernel is not built here (bench/gpu/prepare.sh builds it)")
     rng = np.random.default_rng(9)
     jobs = []

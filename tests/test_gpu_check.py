@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpufeed.server.media import batch_jpeg
+from gpufeed.server.media import batch_resample
 
 _ROOT = Path(__file__).resolve().parents[1]
 _GPU_ROWS = {"gpufeed-shm-h2d-rrc-u8", "gpufeed-cuda-rrc-u8", "gpufeed-nvimgcodec-rrc-u8",
@@ -52,7 +52,7 @@ def test_the_dry_run_does_every_step_and_reports_what_the_device_tool_fetches(tm
     # The nvimgcodec path's resample kernel, where nvcc is here to build it: a library that
     # loads on a machine without a GPU (the CUDA runtime is linked in) with both entries.
     if shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists():
-        kernel = batch_jpeg.load_kernel(gpu / "ext" / "_resample.so")
+        kernel = batch_resample.load_kernel(gpu / "ext" / "_resample.so")
         assert kernel is not None and hasattr(kernel, "gpufeed_resample_cuda")
 
     # The CUDA tests of the three modules were collected from the laid-out copy; with no

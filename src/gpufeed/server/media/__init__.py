@@ -11,6 +11,7 @@ streams or transports, and nothing here imports serving.
 - ``decode``: an encoded image decoded straight into its row.
 - ``jpeg``: the JPEG fast path (``_jpeg.c``): decode only the crop window.
 - ``batch_jpeg``: JPEGs a batch at a time through nvImageCodec.
+- ``batch_resample``: that batch's crop boxes resampled with the CPU path's filter.
 - ``headers``: the size an image declares, read before anything is decoded.
 - ``containers``: which FFmpeg demuxer may read a sample, from its first bytes.
 - ``video``: a clip of k frames at a stride, into its row.

@@ -1,7 +1,7 @@
 // A batch's crops resampled to the output in one kernel launch (--decoder nvimgcodec).
 //
 // nvImageCodec decodes each crop's region into memory of its own; the Python path
-// (batch_jpeg.py, BatchJpegDecoder._resample) then copies every region into one
+// (batch_resample.py, resample) copies every region into one
 // padded tensor and resamples it with two batched matrix products: a dozen torch
 // calls per image, run under the GIL by every decode thread. This kernel reads the
 // regions where they lie and writes the uint8 [N, 3, H, W] batch, one launch per
@@ -25,7 +25,7 @@
 
 extern "C" {
 
-// One crop: must match _CROP in batch_jpeg.py (80 bytes).
+// One crop: must match _CROP in batch_resample.py (80 bytes).
 typedef struct {
     uint64_t src;       // address of the region's pixel (0, 0): HWC uint8
     int64_t pitch;      // bytes from one row of the region to the next
@@ -46,7 +46,7 @@ typedef struct {
 }  // extern "C"
 
 // The source pixels [*lo, *hi) that output pixel j of an axis reads, with the
-// triangle's centre and half-width (crop_taps in batch_jpeg.py).
+// triangle's centre and half-width (crop_taps in batch_resample.py).
 __host__ __device__ static inline void axis_taps(double start, double length, int size, int out,
                                                  int j, int* lo, int* hi, double* centre,
                                                  double* widen) {
