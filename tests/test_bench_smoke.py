@@ -45,6 +45,7 @@ def _check_bench(tmp_path):
         "--arrays", str(_ARRAYS), "--array-passes", "1",
         "--warmup", "1", "--psnr-images", "4", "--row-timeout", "120",
         "--jobs", "3",  # rows overlap: speed is not what this checks
+        "--prefetch", "2",  # the gpufeed rows ask for it, as a rerun with --prefetch does
         "--rows", ",".join(sorted(_REQUIRED | _OPTIONAL)),
         "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "results"),
     ])
@@ -52,6 +53,7 @@ def _check_bench(tmp_path):
     assert written["rows"] == report["rows"]
     assert written["data_set"]["count"] == _IMAGES
     assert written["array_set"]["count"] == _ARRAYS
+    assert written["config"]["prefetch"] == 2
     assert written["decoder_accuracy"]["min_db"] >= 30.0
 
     rows = {r["row"]: r for r in written["rows"]}
