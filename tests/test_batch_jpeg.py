@@ -16,6 +16,7 @@ import io
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from PIL import Image
 from gpufeed.client import FeedClient, Field
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.media import batch_jpeg, batch_resample, jpeg
-from gpufeed.server.media.batch_jpeg import BatchJpegDecoder, Deferred
+from gpufeed.server.media.batch_jpeg import BatchDecoders, BatchJpegDecoder, Deferred
 from gpufeed.server.media.batch_resample import (
     crop_taps,
     kernel_crops,
@@ -163,6 +164,40 @@ def test_the_resample_kernel_makes_the_batched_products_pixels(host_kernel):
                                              *SIZE) == 0
     diff = np.abs(got.astype(np.int16) - want)
     assert diff.max() <= 1 and (diff == 0).mean() > 0.99, (diff.max(), (diff == 0).mean())
+
+
+def test_shared_decoders_give_each_batch_its_own_pixels():
+    """The server's decoders, shared by its decode threads, each refilling one buffer with
+    a batch's files: batches that grow and shrink, decoded from four threads at once,
+    come out as each decoded alone by a decoder of its own."""
+    rng = np.random.default_rng(3)
+    batches = []
+    for count, side in [(2, 60), (6, 300), (2, 80), (4, 200), (1, 120), (5, 260)]:
+        jobs = []
+        for row in range(count):
+            height, width = side + int(rng.integers(0, 40)), side + int(rng.integers(0, 40))
+            box_h, box_w = float(rng.uniform(8, height)), float(rng.uniform(8, width))
+            box = (float(rng.uniform(0, height - box_h)), float(rng.uniform(0, width - box_w)),
+                   box_h, box_w)
+            jobs.append(Deferred(row, _jpeg(rng, height, width), box, row % 2 == 1,
+                                 (height, width)))
+        batches.append(jobs)
+    alone = []
+    for jobs in batches:
+        out = np.zeros((len(jobs), 3, *SIZE), np.uint8)
+        assert BatchJpegDecoder(torch.device("cpu")).decode(jobs, out) == []
+        alone.append(out)
+    shared = BatchDecoders(torch.device("cpu"), threads=2)
+
+    def decode(k: int) -> np.ndarray:
+        out = np.full((len(batches[k]), 3, *SIZE), 0xAB, np.uint8)
+        assert shared.decode(batches[k], out) == []
+        return out
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(decode, list(range(len(batches))) * 3))
+    for k, out in enumerate(got):
+        np.testing.assert_array_equal(out, alone[k % len(batches)], f"batch {k}")
 
 
 def test_what_nvimgcodec_cannot_read_is_handed_back():

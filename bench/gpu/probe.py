@@ -31,7 +31,8 @@ __all__ = ["main"]
 
 # name: (backend kinds or None for every backend, options, region, batch, decoders,
 #        CPU threads per decoder or 0 for nvImageCodec's default: every core[, the files
-#        in pinned host memory, as the server stages them: default pageable bytes])
+#        in pinned host memory, as the server stages them (copied there once, so the
+#        CPU figure leaves out the server's copy per batch): default pageable bytes])
 _CONFIGS = {
     "default-full-b32": (None, "", False, 32, 1, 0),
     "default-roi-b32-pinned": (None, "", True, 32, 1, 0, True),

@@ -78,7 +78,7 @@ def _batch_decoders(config: ServerConfig) -> batch_jpeg.BatchDecoders | None:
         _log.info(batch_jpeg.describe(device))
     except ImportError as e:
         raise RuntimeError(str(e)) from None
-    return batch_jpeg.BatchDecoders(device)
+    return batch_jpeg.BatchDecoders(device, config.threads)
 
 
 class FeedServer:

@@ -1,8 +1,8 @@
 // A batch's crops resampled to the output in one kernel launch (--decoder nvimgcodec).
 //
-// nvImageCodec decodes each crop's region into memory of its own; the Python path
-// (batch_resample.py, resample) copies every region into one
-// padded tensor and resamples it with two batched matrix products: a dozen torch
+// nvImageCodec decodes each crop's region into memory of its own; without this kernel,
+// BatchJpegDecoder copies every region into one padded tensor and resamples it with
+// two batched matrix products (batch_resample.py, resample): a dozen torch
 // calls per image, run under the GIL by every decode thread. This kernel reads the
 // regions where they lie and writes the uint8 [N, 3, H, W] batch, one launch per
 // batch. Its filter is the CPU path's and crop_taps's: a triangle one pixel (widened

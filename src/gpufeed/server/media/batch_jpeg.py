@@ -27,6 +27,7 @@ out, or fails, exactly as without the flag.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .batch_resample import Taps, crop_taps, cuda_kernel, kernel_crops, resample
+from .batch_resample import Taps, crop_taps, cuda_kernel, kernel_crops, resample, upload
 from .headers import jpeg_markers
 from .output import Box
 
@@ -58,6 +59,9 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 # 5089, 4219 and 4206 on an H200 (bench/RESULTS.md, "On a GPU"): beyond two, the
 # decoders contend for the chip.
 CONCURRENT = 2
+# The most a decoder keeps pinned for a batch's files (_staged): page-locked memory is
+# the host's to lose, and a batch of photos needs a few MB.
+_STAGING_LIMIT = 64 << 20
 
 
 def takes(data: bytes) -> bool:
@@ -143,16 +147,19 @@ def _whole(data: bytes) -> bool:
 
 
 class BatchDecoders:
-    """The server's batched decoders on one device, shared by its decode threads: a
-    thread that finishes a batch takes a free one for the batch's decode, or waits for
-    one. Made when the server starts, so that the first batches do not each pay for a
-    decoder (nvImageCodec's set-up on a GPU takes a good part of a second), and ``count``
-    of them (``CONCURRENT``), not one per decode thread: more decode no faster."""
+    """The server's batched decoders on one device, shared by its ``threads`` decode
+    threads: a thread that finishes a batch takes a free one for the batch's decode, or
+    waits for one (the wait is part of the ``batch_decode`` stage's time). Made when the
+    server starts, so that the first batches do not each pay for a decoder
+    (nvImageCodec's set-up on a GPU takes a good part of a second). On a GPU there are
+    ``CONCURRENT`` of them, as more decode no faster; on the CPU backend, where each
+    decodes on one core, one per decode thread."""
 
-    def __init__(self, device: torch.device, count: int = CONCURRENT):
+    def __init__(self, device: torch.device, threads: int):
         self.device = device
+        count = min(CONCURRENT, threads) if device.type == "cuda" else threads
         self._free: queue.SimpleQueue[BatchJpegDecoder] = queue.SimpleQueue()
-        for _ in range(count):
+        for _ in range(max(count, 1)):
             self._free.put(BatchJpegDecoder(device))
 
     def decode(self, jobs: list[Deferred], out: np.ndarray) -> list[Deferred]:
@@ -205,9 +212,16 @@ class BatchJpegDecoder:
             return self._decode(jobs, out)
         with torch.cuda.stream(self._stream):
             try:
-                return self._decode(jobs, out)
-            finally:  # however it ended, nothing queued still reads the staged files
-                self._wait()
+                left = self._decode(jobs, out)
+            except BaseException:
+                # nvImageCodec may have queued work on streams of its own before it raised:
+                # all of the device's work done before the next batch refills the staged
+                # files (a GPU that broke may raise again here: the first error is the one).
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize(self.device)
+                raise
+            self._wait()  # nothing queued still reads the staged files (_staged)
+            return left
 
     def _decode(self, jobs: list[Deferred], out: np.ndarray) -> list[Deferred]:
         nvimgcodec = self._nvimgcodec
@@ -273,18 +287,22 @@ class BatchJpegDecoder:
         the copy is done (an event with blocking sync): a plain copy would have it spin
         on a core for as long as the decode and resampling queued before it take."""
         whole = rows == list(range(out.shape[0]))
-        if self.device.type != "cuda":
+        if self.device.type != "cuda":  # on the host already
             if whole:
                 torch.from_numpy(out).copy_(pixels)
             else:
                 torch.from_numpy(out)[rows] = pixels
             return
-        host = torch.from_numpy(out) if whole else torch.empty(
-            tuple(pixels.shape), dtype=torch.uint8, pin_memory=True)
-        host.copy_(pixels, non_blocking=True)  # into pinned memory, queued; pageable: waits
+        target = torch.from_numpy(out)
+        # Straight into ``out`` where it is pinned (cuda_ipc's host ring); else through
+        # pinned memory, as a copy into pageable memory would wait, spinning.
+        direct = whole and target.is_pinned()
+        host = target if direct else torch.empty(tuple(pixels.shape), dtype=torch.uint8,
+                                                 pin_memory=True)
+        host.copy_(pixels, non_blocking=True)
         self._wait()
-        if not whole:
-            torch.from_numpy(out)[rows] = host
+        if not direct:
+            target[rows] = host
 
     def _wait(self) -> None:
         """Sleep until what is queued on the decoder's stream is done (an event with
@@ -302,6 +320,8 @@ class BatchJpegDecoder:
         batch: ``decode`` returns only once its stream has nothing queued. (The CPU
         backend gains nothing from it, and takes the same path.)"""
         total = sum(len(data) for data in files)
+        if total > _STAGING_LIMIT:  # a batch of huge files: read where they lie, unpinned
+            return [np.frombuffer(data, np.uint8) for data in files]
         staging = self._staging
         if staging is None or staging.numel() < total:
             have = 0 if staging is None else staging.numel()
@@ -330,7 +350,7 @@ class BatchJpegDecoder:
         # A copy freed before the kernel runs is safe: torch reuses memory in stream order.
         regions = [r if r.stride()[1:] == (3, 1) else r.contiguous() for r in regions]
         crops = kernel_crops(regions, ys, xs, boxes, sizes, flips)
-        on_device = torch.from_numpy(crops.view(np.uint8)).to(self.device)
+        on_device = upload(crops.view(np.uint8), self.device)
         pixels = torch.empty((len(regions), 3, *out_size), dtype=torch.uint8, device=self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         code = library.gpufeed_resample_cuda(on_device.data_ptr(), len(regions),

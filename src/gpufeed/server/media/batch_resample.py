@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 __all__ = ["Taps", "crop_taps", "cuda_kernel", "kernel_crops", "load_kernel", "resample",
-           "resample_weights"]
+           "resample_weights", "upload"]
 
 _lock = threading.Lock()
 # One crop for the resample kernel: _resample.cu's gpufeed_crop, field for field.
@@ -55,6 +55,17 @@ class Taps:
         """The taps of the boxes ``boxes`` (indices) alone."""
         return Taps(self.centre[boxes], self.widen[boxes], self.lo[boxes], self.hi[boxes],
                     self.first[boxes], self.last[boxes])
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device``, queued on the current stream. On a GPU, through
+    pinned memory (torch's host cache keeps it until the copy has run): a copy from
+    pageable memory would make the thread wait, spinning, for all the stream's queued
+    work first, the batch's decode included."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def crop_taps(starts: np.ndarray, lengths: np.ndarray, sizes: np.ndarray, out: int) -> Taps:
@@ -91,7 +102,7 @@ def resample_weights(taps: Taps, span: int, device: torch.device) -> torch.Tenso
     packed[:, out:2 * out] = taps.hi - first[:, None]
     packed[:, 2 * out:3 * out] = taps.centre - first[:, None]
     packed[:, -1] = taps.widen
-    on = torch.from_numpy(packed).to(device, non_blocking=False)
+    on = upload(packed, device)
     lo, hi, centre = (on[:, k * out:(k + 1) * out, None] for k in range(3))
     widen = on[:, -1, None, None]
     x = torch.arange(span, device=device, dtype=torch.float32)
@@ -113,7 +124,7 @@ def resample(padded: torch.Tensor, ys: Taps, xs: Taps, flips: np.ndarray) -> tor
     wy = resample_weights(ys, span_h, device)  # [N, H, h]
     wx = resample_weights(xs, span_w, device)  # [N, W, w]
     if flips.any():
-        flipped = torch.from_numpy(flips).to(device)[:, None, None]
+        flipped = upload(flips, device)[:, None, None]
         wx = torch.where(flipped, wx.flip(1), wx)
     height, width = wy.shape[1], wx.shape[1]
     # Rows: [N, H, h] x [N, h, w * 3]; then columns: [N, W, w] x [N, w, H * 3].

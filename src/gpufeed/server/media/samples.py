@@ -102,9 +102,10 @@ def timed_read(stages: Mapping[str, Any], read: Callable[[], _Data]) -> tuple[_D
 
 
 class Decoders:
-    """One decode thread's decoders, made when first needed. ``batch``: the server's
-    shared decoders that decode JPEGs a batch at a time (``--decoder nvimgcodec``:
-    batch_jpeg.py), or None (the decode threads decode them)."""
+    """One decode thread's decoders, its own, made when first needed; and ``batch``: the
+    server's decoders that decode JPEGs a batch at a time (``--decoder nvimgcodec``:
+    batch_jpeg.py), shared by every decode thread and made at start-up, or None (the
+    decode threads decode them)."""
 
     def __init__(self, max_pixels: int = DEFAULT_MAX_PIXELS,
                  batch: BatchDecoders | None = None) -> None:

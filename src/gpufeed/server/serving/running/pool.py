@@ -45,7 +45,8 @@ class DecodePool(Generic[State]):
     object); the threads take one row at a time from the owners in turn, so a
     stream with a deep queue cannot starve another. ``state`` is the running
     thread's own, made once per thread by ``thread_state()``, never shared, so it
-    needs no lock (the server's is a ``Decoders``). A task that raises is logged
+    needs no lock (the server's is a ``Decoders``, whose one shared part, the batched
+    decoders, hands each to one thread at a time). A task that raises is logged
     and the thread goes on: tasks report bad data themselves. ``drop(owner)``
     takes an owner's rows off the queue and returns them (the caller skips
     them), so cancelling a stream needs no free thread. ``close()`` stops the
