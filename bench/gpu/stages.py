@@ -38,13 +38,19 @@ def _jobs(files, sizes, boxes, at: int, batch: int):
             for row, i in enumerate(picked)]
 
 
-def _server(decoder, files, sizes, boxes, batches: int, batch: int, size, at: int = 0
-            ) -> float:
+def _output(batch: int, size):
+    """A batch's rows in host memory, pinned where there is CUDA, as the served cuda_ipc
+    row's host ring is (the decode writes every row)."""
     import torch
 
-    # Pinned where there is CUDA, as the served cuda_ipc row's host ring is.
-    out = torch.zeros((batch, 3, *size), dtype=torch.uint8,
-                      pin_memory=torch.cuda.is_available()).numpy()
+    return torch.empty((batch, 3, *size), dtype=torch.uint8,
+                       pin_memory=torch.cuda.is_available()).numpy()
+
+
+def _server(decoder, files, sizes, boxes, batches: int, batch: int, size, at: int = 0,
+            out=None) -> float:
+    if out is None:
+        out = _output(batch, size)
     began = time.perf_counter()
     for k in range(at, at + batches):
         left = decoder.decode(_jobs(files, sizes, boxes, k * batch, batch), out)
@@ -60,9 +66,11 @@ def _together(decoders, files, sizes, boxes, seconds: float, batch: int, size) -
     deadline = time.perf_counter() + seconds
 
     def one(k: int) -> None:
+        out = _output(batch, size)
         try:
             while time.perf_counter() < deadline:
-                _server(decoders[k], files, sizes, boxes, 1, batch, size, at=done[k] + 97 * k)
+                _server(decoders[k], files, sizes, boxes, 1, batch, size, at=done[k] + 97 * k,
+                        out=out)
                 done[k] += 1
         except Exception as e:  # reported, not raised in a thread nobody joins for it
             errors.append(f"{type(e).__name__}: {e}")
