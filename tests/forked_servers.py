@@ -148,8 +148,11 @@ class _Forked:
         self._conn.close()
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # not yet reaped, so the pid is still the child's
-            os.kill(self.pid, sig)
+        if self.poll() is None:  # its exit code has not arrived, so the pid is the child's
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # reaped by the fork server, its exit code on the way
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

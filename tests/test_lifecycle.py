@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -15,6 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gpufeed.client import FeedClient
 from gpufeed.server.process import ServerProcess
+from gpufeed.v1.vocabulary import SHM_DIR
 from support import shm_prefix, stream_segments, wait_until
 
 # A trainer that opens a shm stream with raw gRPC, prints the segment name and
@@ -82,12 +85,22 @@ def test_sigterm_stops_the_server_cleanly(data_dir):
 def test_next_server_removes_what_a_killed_one_left(data_dir, image_names):
     victim = ServerProcess(["--data-root", str(data_dir)]).start()
     proc, segment = _start_client(_SILENT_CLIENT, victim.address, image_names[:8])
-    victim.proc.send_signal(signal.SIGKILL)
-    victim.proc.wait()
-    proc.kill()
-    proc.wait()
     prefix = segment[:segment.rindex("-") + 1]
-    assert stream_segments(prefix) == {segment}  # SIGKILL left it behind
+    # Servers that other test processes start meanwhile would sweep the victim's names
+    # too. So this test waits for the victim's probe lock, and holds it from the moment
+    # the victim dies until the successor is started.
+    probe = os.open(os.path.join(SHM_DIR, prefix + "probe"), os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(1) as waiting:
+            locked = waiting.submit(fcntl.flock, probe, fcntl.LOCK_EX)
+            victim.proc.send_signal(signal.SIGKILL)
+            victim.proc.wait()
+            locked.result(timeout=30)
+        proc.kill()
+        proc.wait()
+        assert stream_segments(prefix) == {segment}  # SIGKILL left it behind
+    finally:
+        os.close(probe)
     with ServerProcess(["--data-root", str(data_dir)]) as successor:
         assert not stream_segments(prefix)
         assert _serves(successor.address, ["img0000.jpg"]) == [0]
