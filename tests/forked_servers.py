@@ -14,7 +14,10 @@ What differs from ``python -m gpufeed.server``:
   before gpufeed. So a server whose environment differs from the fork server's
   in what is read at start-up or at torch's import (``PYTHON*``, ``LD_*``,
   ``MALLOC_*``, ``OMP_*``, ``TORCH*``, the locale, ...) starts plainly, as does
-  one with a ``prefix`` (another network namespace);
+  one with a ``prefix`` (another network namespace). ``PYTHONPATH`` (a plugin's
+  folder) is the exception, unless it holds a ``sitecustomize``: the child puts
+  its entries on ``sys.path`` where start-up would have, so only a module
+  imported before the fork (numpy, torch) would not be looked up there;
 - the servers forked by one test process share its string hash seed and its
   multiprocessing authentication key;
 - what torch prints as it is imported goes to the fork server's log, not the
@@ -70,8 +73,9 @@ class ForkServer:
         """A running ``python -m gpufeed.server ARGV``: a ``Popen``, or a ``_Forked``
         that behaves as one, with its stderr a text pipe."""
         path = "" if prefix else self._socket()
-        if not path or any(k.startswith(_PLAIN_ONLY) and self._env.get(k) != env.get(k)
-                           for k in env.keys() | self._env.keys()):
+        if not path or _customizes(env, cwd) or any(
+                k.startswith(_PLAIN_ONLY) and k != "PYTHONPATH" and self._env.get(k) != env.get(k)
+                for k in env.keys() | self._env.keys()):
             return self._plain(argv, env, cwd, prefix)
         return _Forked(path, argv, env, os.path.abspath(cwd or os.getcwd()))
 
@@ -96,6 +100,13 @@ class ForkServer:
             self._proc.stdin.close()  # its cue to kill what still runs, and exit
             self._proc.wait(30)
             shutil.rmtree(self._dir)
+
+
+def _customizes(env: dict[str, str], cwd: str | None) -> bool:
+    """Whether ``env``'s PYTHONPATH holds a module that start-up runs (sitecustomize)."""
+    return any(os.path.exists(os.path.join(cwd or "", entry, name))
+               for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry
+               for name in ("sitecustomize.py", "usercustomize.py"))
 
 
 class _Forked:
@@ -262,6 +273,12 @@ def _become_child(stderr: int) -> None:
     os.close(stderr)
 
 
+def _python_path() -> list[str]:
+    """This environment's PYTHONPATH entries, absolute, as start-up puts them on sys.path."""
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return [os.path.abspath(entry) for entry in entries if entry]
+
+
 def _main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the test process's ^C is not for it
     import numpy  # noqa: F401  (what every server imports first, and the slowest)
@@ -269,10 +286,12 @@ def _main() -> None:
 
     request = _serve(sys.argv[1])
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    own = _python_path()  # the fork server's PYTHONPATH entries, on its sys.path
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    sys.path[0] = os.getcwd()  # as ``python -m`` sets it
+    # As ``python -m`` starts: the working directory, then PYTHONPATH, then the rest.
+    sys.path = [os.getcwd(), *_python_path(), *(p for p in sys.path[1:] if p not in own)]
     sys.argv = ["gpufeed.server", *request["argv"]]
     import runpy
 
