@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -46,7 +47,8 @@ _END = object()  # in a script: the server ends the call (OK) here, instead of w
 
 class _Liar(feed_pb2_grpc.FeedServicer):
     """The Feed service, playing ``script``: the messages of each Stream call (a
-    ServerMessage, or bytes sent as they are), then either ``_END`` (the call ends
+    ServerMessage, bytes sent as they are, or a function to call, which may wait
+    for something before the next message), then either ``_END`` (the call ends
     OK, as after a pass's last batch) or nothing: the server waits for the client
     to leave, so a client that did not refuse the lie when it came would hang."""
 
@@ -69,6 +71,9 @@ class _Liar(feed_pb2_grpc.FeedServicer):
         for message in self.script:
             if message is _END:
                 return
+            if callable(message):  # a wait (for the lane to close, as the protocol says)
+                message()
+                continue
             yield message
         left.wait(timeout=120)  # a safety net only: the client's leaving sets it
 
@@ -181,12 +186,13 @@ def _inline_stream(batches: int = 2, **arrays) -> list:
 
 @dataclass
 class _Kit:
-    """What a case may make: shared-memory segments (unlinked at the end) and the
-    compressed bombs (made once)."""
+    """What a case may make: shared-memory segments and lanes (unlinked at the end)
+    and the compressed bombs (made once)."""
 
     server: _Liar
     bombs: dict[str, bytes]
     names: list[str] = field(default_factory=list)
+    lane_closed: threading.Event = field(default_factory=threading.Event)  # the last lane's
 
     def segment(self, size: int) -> tuple[str, mmap.mmap]:
         name = f"gpufeed-liar-{secrets.token_hex(8)}"
@@ -216,6 +222,42 @@ class _Kit:
                 seq=seq, slot=slot_of(seq), tensors=metas)))
         memory.close()
         return messages
+
+    def lane(self, messages: list) -> tuple[str, bytes]:
+        """A lane (its name and token) that, once the trainer has connected, sends
+        ``messages`` (ServerMessages, or bytes as they are) and closes."""
+        name, token = f"gpufeed-liar-{secrets.token_hex(8)}", secrets.token_bytes(16)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(os.path.join(SHM_DIR, name))
+        listener.listen(1)
+        self.names.append(name)
+        self.lane_closed = closed = threading.Event()
+
+        def serve() -> None:
+            try:
+                with listener:
+                    listener.settimeout(30)  # a trainer that refused the header never comes
+                    connection, _ = listener.accept()
+                with connection:
+                    connection.recv(64)  # the token
+                    for message in messages:
+                        connection.send(_serialize(message))
+            except OSError:  # the trainer refused a message and left
+                pass
+            finally:
+                closed.set()
+
+        threading.Thread(target=serve, daemon=True).start()
+        return name, token
+
+    def lane_stream(self, on_call: list | None = None, **stream) -> list:
+        """A shm stream whose batches go on a lane, as gpufeed-server sends them to a
+        trainer that connected; ``on_call``: what the call sends after the header."""
+        messages = self.shm_stream(**stream)
+        header, batches = messages[0], messages[1:]
+        header.header.lane_name, header.header.lane_token = self.lane(batches)
+        closed = self.lane_closed
+        return [header, *(on_call or []), lambda: closed.wait(30)]  # the lane closes first
 
     def close(self) -> None:
         for name in self.names:
@@ -282,7 +324,7 @@ def _read(trainer: FeedClient, **options) -> list[dict[str, torch.Tensor]]:
     return [{name: tensor.clone() for name, tensor in batch.items()} for batch in loader]
 
 
-@pytest.mark.parametrize("how", ["inline", "zstd", "lz4", "shm", "fields"])
+@pytest.mark.parametrize("how", ["inline", "zstd", "lz4", "shm", "lane", "fields"])
 def test_the_truth_is_read_as_sent(liar, trainer, kit, how):
     """The lying server's protocol is the real one: told straight, every batch arrives."""
     options = {}
@@ -290,8 +332,8 @@ def test_the_truth_is_read_as_sent(liar, trainer, kit, how):
         liar.script = _inline_stream()
     elif how == "fields":
         liar.script = _inline_stream(boxes=[1, 2])
-    elif how == "shm":
-        liar.script = kit.shm_stream()
+    elif how in ("shm", "lane"):
+        liar.script = kit.shm_stream() if how == "shm" else kit.lane_stream()
         options["transport"] = "shm"
     else:
         liar.script = _compressed_stream(how)
@@ -364,6 +406,18 @@ def _shm_lie(edit: Callable[[list], object], **stream) -> Callable[[_Kit], list]
         messages = kit.shm_stream(**stream)
         edit(messages)
         return messages
+    return script
+
+
+def _lane_lie(edit: Callable[[list], object], on_call: list | None = None,
+              **stream) -> Callable[[_Kit], list]:
+    """A shm stream whose batches go on a lane, ``edit``-ed before they go there."""
+    def script(kit: _Kit) -> list:
+        messages = kit.shm_stream(**stream)
+        header, batches = messages[0], messages[1:]
+        edit(batches)
+        header.header.lane_name, header.header.lane_token = kit.lane(batches)
+        return [header, *(on_call or [])]
     return script
 
 
@@ -460,6 +514,18 @@ _LIES = [
     _case(_symlink, "is a symbolic link", "shm-symlink", **_SHM),
     _case(_shm_lie(lambda m: None, boxes=[2, -1]), "'boxes_offsets' that decrease at row 1",
           "shm-offsets-decrease", **_SHM),
+    # shm with a lane: its name, and what comes on it (checked as what comes on the call).
+    _case(_shm_lie(lambda m: setattr(m[0].header, "lane_name", "../x")), "lane_name '../x'",
+          "lane-name-a-path", **_SHM),
+    _case(_lane_lie(lambda m: m.insert(0, b"\x12\x80")), "on the stream's lane that is not "
+          "a ServerMessage", "lane-unparsable", **_SHM),
+    _case(_lane_lie(lambda m: m.insert(0, bytes(70_000))), "a message over 65536 bytes on the "
+          "stream's lane", "lane-oversized", **_SHM),
+    _case(_lane_lie(lambda m: None, slot_of=lambda seq: 2), "batch 0 in slot 2, outside its "
+          "ring of 2 slots", "lane-slot-outside", **_SHM),
+    _case(_lane_lie(lambda m: m.pop(), on_call=[feed_pb2.ServerMessage(batch=feed_pb2.Batch(
+        seq=1))]), "a message on the call after closing the stream's lane", "lane-then-call",
+        **_SHM),
     # cuda_ipc: the header alone (checked before any CUDA call, so on any machine).
     _case(lambda kit: [_header(feed_pb2.TRANSPORT_CUDA_IPC, cuda_ipc=feed_pb2.CudaIpc(
         slot_events=[b"x"], storage_size=2 * _SHM_SLOT))], "num_slots 2 but "

@@ -20,8 +20,9 @@ from gpufeed.server.process import ServerProcess
 from gpufeed.v1.vocabulary import SHM_DIR
 from support import shm_prefix, stream_segments, wait_until
 
-# A trainer that opens a shm stream with raw gRPC, prints the segment name and
-# then stops reading without ever attaching or releasing: the worst client.
+# A trainer that opens a shm stream with raw gRPC, prints the names of the segment
+# and the lane and then stops reading without ever attaching or releasing: the
+# worst client.
 _SILENT_CLIENT = textwrap.dedent("""
     import sys, time, grpc
     from gpufeed.v1 import feed_pb2, feed_pb2_grpc
@@ -32,7 +33,8 @@ _SILENT_CLIENT = textwrap.dedent("""
         yield feed_pb2.ClientMessage(open=request)
         time.sleep(3600)
     call = feed_pb2_grpc.FeedStub(grpc.insecure_channel(sys.argv[1])).Stream(messages())
-    print(next(call).header.shm_name, flush=True)
+    header = next(call).header
+    print(header.shm_name, header.lane_name, flush=True)
     time.sleep(3600)
 """)
 
@@ -66,8 +68,8 @@ def _serves(address: str, files: list[str]) -> list[int]:
 def test_killed_client_leaves_nothing_and_server_serves_on(server, image_names, script):
     prefix = shm_prefix(server.address)
     proc, line = _start_client(script, server.address, image_names[:40])
-    if script is _SILENT_CLIENT:
-        assert stream_segments(prefix) == {line}  # not attached: the server still holds the name
+    if script is _SILENT_CLIENT:  # not attached: the server still holds the names
+        assert stream_segments(prefix) == set(line.split())
     proc.kill()
     proc.wait()
     assert wait_until(lambda: not stream_segments(prefix)), stream_segments(prefix)
@@ -84,8 +86,9 @@ def test_sigterm_stops_the_server_cleanly(data_dir):
 
 def test_next_server_removes_what_a_killed_one_left(data_dir, image_names):
     victim = ServerProcess(["--data-root", str(data_dir)]).start()
-    proc, segment = _start_client(_SILENT_CLIENT, victim.address, image_names[:8])
-    prefix = segment[:segment.rindex("-") + 1]
+    proc, line = _start_client(_SILENT_CLIENT, victim.address, image_names[:8])
+    names = set(line.split())  # the stream's segment and lane
+    prefix = shm_prefix(victim.address)
     # Servers that other test processes start meanwhile would sweep the victim's names
     # too. So this test waits for the victim's probe lock, and holds it from the moment
     # the victim dies until the successor is started.
@@ -98,7 +101,7 @@ def test_next_server_removes_what_a_killed_one_left(data_dir, image_names):
             locked.result(timeout=30)
         proc.kill()
         proc.wait()
-        assert stream_segments(prefix) == {segment}  # SIGKILL left it behind
+        assert stream_segments(prefix) == names  # SIGKILL left them behind
     finally:
         os.close(probe)
     with ServerProcess(["--data-root", str(data_dir)]) as successor:

@@ -7,6 +7,9 @@ per batch and sends one ``Release`` per batch, carrying how long the trainer
 waited for it. The reader decides when a slot goes back: a slot it gives back
 while the stream reads that batch (owned tensors) rides on that batch's
 Release; one given back later (a dropped view) gets a Release of its own.
+When the header offers a lane (lane.py) and the trainer can reach it, batches
+come and releases go there instead of on the call, whose status still ends
+the stream.
 
 Nothing the server sends is taken on trust (checks.py): the header must fit
 the request, each batch must come in order, and its tensors lie within the
@@ -24,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 import torch
@@ -33,9 +36,10 @@ from gpufeed.v1 import feed_pb2
 from gpufeed.v1.vocabulary import NO_SLOT_MEMORY
 
 from .batches import BatchReader, Release
-from .checks import BatchOrder, check_header, check_rows, expect
+from .checks import BatchOrder, check_header, check_rows, data_loss, expect
 from .connection import Connection
 from .inline import InlineBatches
+from .lane import Lane, connect_lane
 from .shm import ShmBatches
 
 __all__ = ["OpenStream", "open_stream"]
@@ -58,6 +62,7 @@ class OpenStream:
         self._outbox.put(feed_pb2.ClientMessage(open=request))
         self._call = server.stub.Stream(iter(self._outbox.get, None), metadata=server.metadata)
         self._reader: BatchReader | None = None
+        self._lane: Lane | None = None  # where batches come and releases go, if offered
         # The batch being read, by the thread reading it, and whether its reader gave
         # its slot back meanwhile (it then rides on the batch's Release).
         self._reading: tuple[int, int] | None = None
@@ -69,13 +74,17 @@ class OpenStream:
             check_header(self.header, request)
             self._order = BatchOrder(self.header, request)
             self._reader = _batch_reader(self.header, self._release, copy)
-            if self._reader.shared:  # mapped or opened: say so
-                self._outbox.put(feed_pb2.ClientMessage(attached=feed_pb2.Attached()))
+            if self._reader.shared:  # mapped or opened: say so, and where batches will come
+                self._lane = connect_lane(self.header)
+                if self._lane is not None:  # a call that ends (a server gone quiet) wakes it
+                    self._call.add_done_callback(self._lane.shutdown)
+                self._outbox.put(feed_pb2.ClientMessage(
+                    attached=feed_pb2.Attached(lane=self._lane is not None)))
         except BaseException:
             self.close()
             raise
 
-    def batches(self) -> Iterator[tuple[int, list[feed_pb2.SampleFailure],
+    def batches(self) -> Iterator[tuple[int, Sequence[feed_pb2.SampleFailure],
                                         dict[str, torch.Tensor] | None]]:
         """(seq, failures, tensors) of each batch to the stream's end; slots go back as
         soon as the tensors are owned, or once the trainer drops them (views).
@@ -85,7 +94,7 @@ class OpenStream:
         while True:
             reader.make_room()
             waiting = time.perf_counter()
-            message = next(self._call, None)
+            message = self._next_message()
             waited = time.perf_counter() - waiting
             if message is None:
                 return
@@ -101,9 +110,33 @@ class OpenStream:
                     self._reading = None
                 check_rows(tensors, self.request.batch_size)
             given_back = tensors is None or self._given_back
-            self._outbox.put(feed_pb2.ClientMessage(release=feed_pb2.Release(
+            self._send(feed_pb2.ClientMessage(release=feed_pb2.Release(
                 seqs=[batch.seq] if given_back else [], wait_seconds=waited)))
             yield batch.seq, batch.failures, tensors
+
+    def _next_message(self) -> feed_pb2.ServerMessage | None:
+        """The server's next message: from the lane while it is open, else the call's."""
+        lane = self._lane
+        if lane is None:
+            return next(self._call, None)
+        message = lane.receive()
+        if message is None:  # the server closed the lane: the call says how the stream ended
+            self._lane = None
+            lane.close()
+            message = next(self._call, None)
+            if message is not None:
+                raise data_loss("the server sent a message on the call after closing the "
+                                "stream's lane")
+            return None
+        if message.WhichOneof("kind") == "on_call":  # too large for the lane
+            return next(self._call, None)
+        return message
+
+    def _send(self, message: feed_pb2.ClientMessage) -> None:
+        """A release, on the lane while it is open, else on the call (from any thread)."""
+        lane = self._lane
+        if lane is None or not lane.send(message):
+            self._outbox.put(message)
 
     def deal(self, batches: list[int], last: bool = False) -> None:
         """Hand a ``dealt`` stream the pass's batches ``batches`` to make next (from any
@@ -111,6 +144,8 @@ class OpenStream:
         self._outbox.put(feed_pb2.ClientMessage(deal=feed_pb2.Deal(batches=batches, last=last)))
 
     def close(self) -> None:
+        if self._lane is not None:
+            self._lane.close()
         if self._reader is not None:
             self._reader.close()
         self._call.cancel()
@@ -121,7 +156,7 @@ class OpenStream:
         if self._reading == (seq, threading.get_ident()):  # during tensors(): ride along
             self._given_back = True
         else:
-            self._outbox.put(feed_pb2.ClientMessage(release=feed_pb2.Release(seqs=[seq])))
+            self._send(feed_pb2.ClientMessage(release=feed_pb2.Release(seqs=[seq])))
 
 
 def _batch_reader(header: feed_pb2.StreamHeader, release: Release, copy: bool) -> BatchReader:

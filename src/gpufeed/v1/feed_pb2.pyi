@@ -241,8 +241,10 @@ class OutputSpec(_message.Message):
     def __init__(self, height: _Optional[int] = ..., width: _Optional[int] = ..., resize: _Optional[_Union[Resize, str]] = ..., shorter_side: _Optional[int] = ..., scale_min: _Optional[float] = ..., scale_max: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., flip_probability: _Optional[float] = ..., dtype: _Optional[str] = ..., mean: _Optional[_Iterable[float]] = ..., std: _Optional[_Iterable[float]] = ..., layout: _Optional[_Union[Layout, str]] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("lane",)
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    lane: bool
+    def __init__(self, lane: _Optional[bool] = ...) -> None: ...
 
 class Deal(_message.Message):
     __slots__ = ("batches", "last")
@@ -261,15 +263,21 @@ class Release(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[int]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("header", "batch")
+    __slots__ = ("header", "batch", "on_call")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    ON_CALL_FIELD_NUMBER: _ClassVar[int]
     header: StreamHeader
     batch: Batch
-    def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    on_call: OnCall
+    def __init__(self, header: _Optional[_Union[StreamHeader, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., on_call: _Optional[_Union[OnCall, _Mapping]] = ...) -> None: ...
+
+class OnCall(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StreamHeader(_message.Message):
-    __slots__ = ("transport", "shm_name", "num_slots", "slot_bytes", "num_samples", "num_batches", "cuda_ipc", "classes", "start_batch", "resumed_phases", "dealt")
+    __slots__ = ("transport", "shm_name", "num_slots", "slot_bytes", "num_samples", "num_batches", "cuda_ipc", "classes", "start_batch", "resumed_phases", "dealt", "lane_name", "lane_token")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +289,8 @@ class StreamHeader(_message.Message):
     START_BATCH_FIELD_NUMBER: _ClassVar[int]
     RESUMED_PHASES_FIELD_NUMBER: _ClassVar[int]
     DEALT_FIELD_NUMBER: _ClassVar[int]
+    LANE_NAME_FIELD_NUMBER: _ClassVar[int]
+    LANE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     shm_name: str
     num_slots: int
@@ -292,7 +302,9 @@ class StreamHeader(_message.Message):
     start_batch: int
     resumed_phases: int
     dealt: bool
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., shm_name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_batches: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., start_batch: _Optional[int] = ..., resumed_phases: _Optional[int] = ..., dealt: _Optional[bool] = ...) -> None: ...
+    lane_name: str
+    lane_token: bytes
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., shm_name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., num_samples: _Optional[int] = ..., num_batches: _Optional[int] = ..., cuda_ipc: _Optional[_Union[CudaIpc, _Mapping]] = ..., classes: _Optional[_Iterable[str]] = ..., start_batch: _Optional[int] = ..., resumed_phases: _Optional[int] = ..., dealt: _Optional[bool] = ..., lane_name: _Optional[str] = ..., lane_token: _Optional[bytes] = ...) -> None: ...
 
 class CudaIpc(_message.Message):
     __slots__ = ("gpu_uuid", "storage_handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "slot_events")

@@ -28,7 +28,8 @@ import numpy as np
 
 from . import feed_pb2
 
-__all__ = ["BFLOAT16", "FAILURE_CATEGORIES", "INLINE_ALIGN", "NO_SLOT_MEMORY", "OUTPUT_DTYPES",
+__all__ = ["BFLOAT16", "FAILURE_CATEGORIES", "INLINE_ALIGN", "LANE_MESSAGE_BYTES",
+           "NO_SLOT_MEMORY", "OUTPUT_DTYPES",
            "SHM_DIR", "SLOT_ALIGN", "TRANSPORTS", "UNHANDED", "UNREAD", "carrier_dtype",
            "failure_category_name", "transport_name", "wire_text"]
 
@@ -54,6 +55,9 @@ BFLOAT16 = "bfloat16"
 INLINE_ALIGN = 64
 SLOT_ALIGN = 4096
 SHM_DIR = "/dev/shm"
+# The largest message either side sends on a stream's lane (StreamHeader.lane_name):
+# a batch's message over it goes on the call (OnCall), so a lane never truncates.
+LANE_MESSAGE_BYTES = 1 << 16
 
 # In an UNAVAILABLE lease timeout's details: the trainer never read the stream (a
 # loader opened ahead, not iterated yet). Routine: the client reopens it quietly.

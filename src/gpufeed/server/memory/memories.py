@@ -55,6 +55,10 @@ class SlotMemories:
         return None if probe is None else feed_pb2.ShmProbe(name=probe.name,
                                                             token=self._shm.probe_token)
 
+    def lane_name(self) -> str | None:
+        """A name under /dev/shm for a stream's lane, or None when there is no /dev/shm."""
+        return None if self._shm.probe is None else self._shm.new_name()
+
     def open(self, plan: SlotPlan) -> SlotMemory:
         """The memory of the plan's transport for its ``num_slots`` slots.
 

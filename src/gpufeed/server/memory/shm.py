@@ -113,7 +113,12 @@ class ShmNamespace:
         return probe
 
     def create(self, size: int) -> SharedSegment:
-        return SharedSegment(f"gpufeed-{self.server_id}-{secrets.token_hex(8)}", size)
+        return SharedSegment(self.new_name(), size)
+
+    def new_name(self) -> str:
+        """A name for this server's next segment or socket: removed with the segments
+        by the next server to start if this one dies."""
+        return f"gpufeed-{self.server_id}-{secrets.token_hex(8)}"
 
     def close(self) -> None:
         if self.probe is not None:

@@ -2,7 +2,9 @@
 
 A Stream call runs on a gRPC worker thread, which yields the header and then
 each published batch. A second thread per stream reads the client's later
-messages (attached, release). The stream's slots live in one ``SlotMemory``
+messages (attached, release). A stream of shared memory whose client took its
+lane (lane.py) sends the batches there instead, and a third thread reads the
+releases that come back on it. The stream's slots live in one ``SlotMemory``
 (memory/slots.py), chosen by ``SlotMemories`` for the transport; this module
 never asks which. Whatever ends the call (last batch, client gone, bad
 message, server stopping), ``finally`` closes the stream: decode work is
@@ -27,7 +29,7 @@ import grpc
 
 import gpufeed
 from gpufeed.v1 import feed_pb2, feed_pb2_grpc
-from gpufeed.v1.vocabulary import UNREAD, transport_name, wire_text
+from gpufeed.v1.vocabulary import LANE_MESSAGE_BYTES, UNREAD, transport_name, wire_text
 
 from ...config import Limits
 from ...media.samples import Decoders
@@ -59,8 +61,10 @@ from ..planning.thread import Planning, PlanStopped
 from ..running.pool import DecodePool
 from ..running.sources import DealtBatches, JobRegistry, SharedJob
 from ..running.stream import SlotBatch, Stream
+from .lane import StreamLane
+from .readers import read_client, read_lane
 from .watchdog import Watchdog, end_call
-from .wire import InlineBatch
+from .wire import InlineBatch, serialize
 
 __all__ = ["FeedServicer"]
 
@@ -68,12 +72,17 @@ _log = logging.getLogger(__name__)
 # A client whose stream's memory is shared maps or opens it as soon as it reads
 # the header; one that has not after this many seconds never will.
 _ATTACH_GRACE = 10.0
+# A client connects to the lane and sends its token before it says `attached`, so
+# both are waiting when the server reads that: this bound is for a client that lied.
+_LANE_CONNECT_SECONDS = 2.0
 # A status's message travels as an HTTP/2 header, percent-encoded (up to 3 bytes a
 # byte). A client drops a response whose headers pass 8 KB (grpc's soft limit: at
 # random up to the 16 KB hard one) and reports RESOURCE_EXHAUSTED instead, so a
 # message naming a long path (a request may send 64 MiB of them) is shortened to
 # this many UTF-8 bytes, its start (the field) and end kept.
 _STATUS_MESSAGE_BYTES = 2048
+# On a lane: the next batch comes on the call.
+_ON_CALL = feed_pb2.ServerMessage(on_call=feed_pb2.OnCall()).SerializeToString()
 # The status code a client sees for each way a request is refused or a stream ends
 # (serving/errors.py): chosen here only. ClientGone has none: nobody is left to tell.
 _STATUS = {
@@ -239,6 +248,17 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 self._lock.wait_for(lambda: self._open_streams == 0, timeout=5.0)
         self.lists.close()  # no idle list is kept for a later stream
 
+    def _offer_lane(self, memory: SlotMemory) -> StreamLane | None:
+        """A lane for a stream of shared memory, if this server has a /dev/shm for it."""
+        name = self._memories.lane_name() if memory.shared else None
+        if name is None:
+            return None
+        try:
+            return StreamLane(name)
+        except OSError as e:
+            _log.warning("no lane for this stream (%s): its batches go on the call", e)
+            return None
+
     def _enter(self) -> tuple[grpc.StatusCode, str] | None:
         """Admit a stream, or say why not."""
         with self._lock:
@@ -257,16 +277,19 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                request_iterator, context):
         source = DealtBatches(len(plan.batches), plan.num_slots) if plan.dealt else job
         stream = Stream(plan, self._storage, self._pool, memory, self._metrics, source=source)
-        reader = threading.Thread(target=_read_client, name="gpufeed-client-reader",
+        reader = threading.Thread(target=read_client, name="gpufeed-client-reader",
                                   args=(request_iterator, stream), daemon=True)
         with self._lock:
             self._streams.add(stream)
         header_sent_at = None
         log = _StreamLog(context.peer(), plan, job)
         ending = None
+        lane = self._offer_lane(memory)
         # A client that stops reading blocks the handler in `yield` (HTTP/2 flow
-        # control), where the lease timeout in Stream.published() cannot see it.
-        stalled = self._watchdog.alarm(lambda: _end_stalled(stream, context, plan.lease_timeout))
+        # control) or in the lane's send, where the lease timeout in
+        # Stream.published() cannot see it.
+        stalled = self._watchdog.alarm(
+            lambda: _end_stalled(stream, context, plan.lease_timeout, lane))
         try:
             if job is not None:
                 job.add_consumer(stream.wake)
@@ -290,14 +313,22 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 dealt=plan.dealt,
             )
             header.MergeFrom(memory.header())  # where the memory is: its own fields
+            if lane is not None:
+                header.lane_name, header.lane_token = lane.name, lane.token
             yield feed_pb2.ServerMessage(header=header)
             stalled.disarm()
             header_sent_at = time.monotonic()
+            if lane is not None:
+                lane = _take_lane(lane, stream, plan.lease_timeout, stalled)
+                log.lane = lane is not None
             for batch in stream.published():
                 message = _batch_message(*memory.publish(batch), plan)
                 sending = time.perf_counter()
                 stalled.arm(plan.lease_timeout)
-                yield message  # returns once gRPC has taken the message
+                if lane is None:
+                    yield message  # returns once gRPC has taken the message
+                elif not _sent_on_lane(lane, message):
+                    yield message  # too large for the lane: announced there, sent here
                 stalled.disarm()
                 log.sent(batch)
                 if batch.rows:
@@ -312,6 +343,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             raise
         finally:
             stalled.close()
+            if lane is not None:
+                lane.close()  # before the call's status: the trainer then reads the call
             log.ended()
             with self._lock:
                 self._streams.discard(stream)
@@ -340,48 +373,43 @@ def _status_message(message: str) -> str:
     return f"{head} ... ({len(data) - 2 * half} bytes left out) ... {tail}"
 
 
-def _end_stalled(stream: Stream, context, lease_timeout: float) -> None:
+def _end_stalled(stream: Stream, context, lease_timeout: float,
+                 lane: StreamLane | None) -> None:
     """End a stream whose client has not taken a message for ``lease_timeout`` seconds."""
     ending = LeaseExpired(f"lease timeout: the trainer read nothing for {lease_timeout:g} s "
                           f"(server's --lease-timeout); resume from your position")
     stream.cancel(ending)
+    if lane is not None:
+        lane.shutdown()
     end_call(context, _STATUS[LeaseExpired], str(ending))
 
 
-def _read_client(request_iterator, stream: Stream) -> None:
-    """Apply the client's messages after `open` until it half-closes or goes away."""
+def _take_lane(lane: StreamLane, stream: Stream, lease_timeout: float,
+               stalled) -> StreamLane | None:
+    """The lane, once the client has said it reads there (and connected); None when it
+    said it reads the call, or said nothing for ``lease_timeout`` (the call it is)."""
+    stalled.arm(lease_timeout)  # a client gone quiet: its call ends, which wakes the wait
+    stream.wait_attached(time.monotonic() + lease_timeout)
+    stalled.disarm()
+    if not (stream.attached and stream.lane):
+        lane.close()
+        return None
+    lane.connect(_LANE_CONNECT_SECONDS)  # BadClientMessage if it did not
+    threading.Thread(target=read_lane, name="gpufeed-lane-reader", args=(lane, stream),
+                     daemon=True).start()
+    return lane
+
+
+def _sent_on_lane(lane: StreamLane, message: feed_pb2.ServerMessage | InlineBatch) -> bool:
+    """Whether ``message`` went on the lane; if not (too large), the lane says it comes on
+    the call. A lane shut meanwhile (the stream ended) sends nothing."""
+    data = serialize(message)
+    fits = len(data) <= LANE_MESSAGE_BYTES
     try:
-        for message in request_iterator:
-            kind = message.WhichOneof("kind")
-            if kind == "release":
-                # Before the slot goes back: the batch it unblocks may be the stream's last.
-                stream.metrics.released(stream.plan.transport, message.release)
-                try:
-                    stream.release(message.release.seqs)
-                except KeyError as e:
-                    stream.cancel(BadClientMessage(f"release: batch {e.args[0]} is not one this "
-                                                   f"stream sent and has not had back"))
-                    return
-            elif kind == "attached":
-                stream.attach()
-            elif kind == "deal":
-                try:
-                    stream.deal(list(message.deal.batches), message.deal.last)
-                except ValueError as e:
-                    stream.cancel(BadClientMessage(str(e)))
-                    return
-            elif kind == "open":
-                stream.cancel(BadClientMessage("open: a stream takes one `open` message, its "
-                                               "first; this one sent another"))
-                return
-    except grpc.RpcError as e:  # the call ended; the handler cleans up
-        # gRPC keeps this error in the call's state, which the traceback's frames refer
-        # to: a cycle through this frame that would keep the stream (and its plan)
-        # until a garbage collection.
-        e.__traceback__ = None
-    except Exception as e:
-        _log.exception("client reader failed")
-        stream.cancel(ServerFault(f"server error reading the client's messages: {e}"))
+        lane.send(data if fits else _ON_CALL)
+    except OSError:
+        pass  # the trainer closed it, or the stream was ended: published() says how
+    return fits
 
 
 class _StreamLog:
@@ -392,6 +420,7 @@ class _StreamLog:
         self._transport = transport_name(plan.transport)
         self._started = time.monotonic()
         self.samples = self.batches = self.failures = 0
+        self.lane: bool | None = None  # shared memory: whether its batches went on the lane
         # What ends the stream unless something else does: the generator closed by gRPC.
         self.status = "CANCELLED: the client went away"
         _log.info("stream open: peer=%s transport=%s samples=%s batches=%s start_batch=%d%s",
@@ -409,8 +438,9 @@ class _StreamLog:
         # timeout is routine: the client reopens it when the trainer gets to it.
         routine = self.status.startswith(("OK", "CANCELLED")) or UNREAD in self.status
         level = logging.INFO if routine else logging.WARNING
-        _log.log(level, "stream end: peer=%s transport=%s samples=%d batches=%d failures=%d "
-                 "duration=%.3fs status=%s", self._peer, self._transport, self.samples,
+        lane = "" if self.lane is None else f" lane={'yes' if self.lane else 'no'}"
+        _log.log(level, "stream end: peer=%s transport=%s%s samples=%d batches=%d failures=%d "
+                 "duration=%.3fs status=%s", self._peer, self._transport, lane, self.samples,
                  self.batches, self.failures, time.monotonic() - self._started, self.status)
 
 

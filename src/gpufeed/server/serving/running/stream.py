@@ -295,6 +295,7 @@ class Stream:
         self.state = StreamState.SERVING
         # Apart from the state: a client may attach after the stream was cancelled.
         self._attached = False
+        self.lane = False  # the client said it reads the batches on the stream's lane
         self._ending: StreamEnded = ClientGone()
         self._last_heard = time.monotonic()  # a Release or a Deal
         self._read_any = False  # a Release came: the client reads the stream's batches
@@ -344,12 +345,18 @@ class Stream:
             self._start_ready()
             self.cond.notify_all()
 
-    def attach(self) -> None:
-        """The client has mapped or opened the stream's memory (``memory.attached()``)."""
+    def attach(self, lane: bool = False) -> None:
+        """The client has mapped or opened the stream's memory (``memory.attached()``);
+        ``lane``: and connected to the stream's lane, where it reads the batches."""
         self.memory.attached()
         with self.cond:
             self._attached = True
+            self.lane = lane
             self.cond.notify_all()
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
 
     def wait_attached(self, deadline: float) -> None:
         """Until the client has mapped (or opened) the memory, is gone, or ``deadline``

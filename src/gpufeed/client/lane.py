@@ -1,0 +1,108 @@
+"""A stream's lane, the trainer's side: batches in and releases out over a Unix socket.
+
+A server offers a lane for a stream of shared memory (the header's
+``lane_name``; why, and the protocol: gpufeed/server/serving/edge/lane.py).
+Reading a batch is then one ``recvmsg`` on the thread that iterates, and a
+release one ``send`` from whichever thread gives the slot back (a message on
+a ``SOCK_SEQPACKET`` socket is whole: sends from several threads do not
+interleave). A trainer that cannot reach the lane (another /dev/shm) reads
+the call as before.
+
+Nothing on the lane is taken on trust more than on the call: each message
+must be a whole ServerMessage of at most ``LANE_MESSAGE_BYTES``, and the
+stream checks it as it checks the call's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+
+from google.protobuf.message import DecodeError
+
+from gpufeed.v1 import feed_pb2
+from gpufeed.v1.vocabulary import LANE_MESSAGE_BYTES, SHM_DIR
+
+from .checks import data_loss
+
+__all__ = ["Lane", "connect_lane"]
+
+_log = logging.getLogger(__name__)
+
+
+class Lane:
+    """A connected lane (``connect_lane``); ``close()`` ends it, from any thread."""
+
+    def __init__(self, connection: socket.socket):
+        self._connection = connection
+
+    def receive(self) -> feed_pb2.ServerMessage | None:
+        """The server's next message; None once it has closed the lane (the call then
+        says how the stream ended). Raises FeedError (DATA_LOSS) for one that is not a
+        whole ServerMessage."""
+        try:
+            data, _, flags, _ = self._connection.recvmsg(LANE_MESSAGE_BYTES)
+        except OSError:  # closed by this process (the loader's close) meanwhile
+            return None
+        if not data:
+            return None
+        if flags & socket.MSG_TRUNC:
+            raise data_loss(f"the server sent a message over {LANE_MESSAGE_BYTES} bytes on "
+                            f"the stream's lane")
+        try:
+            return feed_pb2.ServerMessage.FromString(data)
+        except DecodeError as e:
+            raise data_loss(f"the server sent a message on the stream's lane that is not a "
+                            f"ServerMessage: {e}") from None
+
+    def send(self, message: feed_pb2.ClientMessage) -> bool:
+        """Send ``message`` (from any thread); False if the lane is closed."""
+        try:
+            self._connection.send(message.SerializeToString())
+        except OSError:
+            return False
+        return True
+
+    def shutdown(self, *_) -> None:
+        """Wake a thread in ``receive()`` (from any thread; a gRPC done-callback's
+        argument is ignored); the lane carries nothing from now on."""
+        try:
+            self._connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.shutdown()
+        self._connection.close()
+
+
+def connect_lane(header: feed_pb2.StreamHeader) -> Lane | None:
+    """The header's lane, connected and given its token; None if the header offers
+    none, or this process cannot reach it (another /dev/shm)."""
+    name = header.lane_name
+    if not name:
+        return None
+    if "/" in name or name.startswith("."):
+        raise data_loss(f"the server's lane_name {name!r} is not a name in {SHM_DIR}")
+    path = os.path.join(SHM_DIR, name)
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):  # no symbolic link to another socket
+            raise data_loss(f"the server's lane_name {name!r} is not a socket")
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError as e:
+        _log.debug("the stream's lane %s cannot be reached (%s): batches come on the call",
+                   name, e)
+        return None
+    try:
+        connection.settimeout(10.0)  # a listening socket answers at once
+        connection.connect(path)
+        connection.send(header.lane_token)
+        connection.settimeout(None)
+    except OSError as e:
+        connection.close()
+        _log.debug("the stream's lane %s cannot be reached (%s): batches come on the call",
+                   name, e)
+        return None
+    return Lane(connection)
