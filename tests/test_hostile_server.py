@@ -16,6 +16,7 @@ truth is read correctly, so each case's lie is what the client refused.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -184,6 +185,20 @@ def _inline_stream(batches: int = 2, **arrays) -> list:
     return [_header(batches=batches, slot_bytes=slot_bytes), *messages]
 
 
+class _HeldProbe:
+    """A probe segment under a server id of its own, locked as a running server's is."""
+
+    def __init__(self):
+        self.server_id = secrets.token_hex(8)
+        self._path = os.path.join(SHM_DIR, f"gpufeed-{self.server_id}-probe")
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def close(self) -> None:
+        os.unlink(self._path)
+        os.close(self._fd)
+
+
 @dataclass
 class _Kit:
     """What a case may make: shared-memory segments and lanes (unlinked at the end)
@@ -193,6 +208,7 @@ class _Kit:
     bombs: dict[str, bytes]
     names: list[str] = field(default_factory=list)
     lane_closed: threading.Event = field(default_factory=threading.Event)  # the last lane's
+    probe: _HeldProbe | None = None
 
     def segment(self, size: int) -> tuple[str, mmap.mmap]:
         name = f"gpufeed-liar-{secrets.token_hex(8)}"
@@ -225,8 +241,15 @@ class _Kit:
 
     def lane(self, messages: list) -> tuple[str, bytes]:
         """A lane (its name and token) that, once the trainer has connected, sends
-        ``messages`` (ServerMessages, or bytes as they are) and closes."""
-        name, token = f"gpufeed-liar-{secrets.token_hex(8)}", secrets.token_bytes(16)
+        ``messages`` (ServerMessages, or bytes as they are) and closes.
+
+        Named as gpufeed-server names its lanes (the client connects to no other
+        name), under a probe this process holds, as a live server does, so that
+        servers starting elsewhere do not sweep it."""
+        if self.probe is None:
+            self.probe = _HeldProbe()
+        name = f"gpufeed-{self.probe.server_id}-{secrets.token_hex(8)}"
+        token = secrets.token_bytes(16)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(os.path.join(SHM_DIR, name))
         listener.listen(1)
@@ -239,9 +262,13 @@ class _Kit:
                     listener.settimeout(30)  # a trainer that refused the header never comes
                     connection, _ = listener.accept()
                 with connection:
+                    connection.settimeout(30)
                     connection.recv(64)  # the token
                     for message in messages:
                         connection.send(_serialize(message))
+                    connection.shutdown(socket.SHUT_WR)  # as gpufeed-server ends a lane:
+                    while connection.recv(256):  # until the trainer closes its end
+                        pass
             except OSError:  # the trainer refused a message and left
                 pass
             finally:
@@ -260,6 +287,8 @@ class _Kit:
         return [header, *(on_call or []), lambda: closed.wait(30)]  # the lane closes first
 
     def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
         for name in self.names:
             try:
                 os.unlink(os.path.join(SHM_DIR, name))

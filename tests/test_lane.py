@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import stat
 
 import grpc
 import pytest
@@ -72,7 +73,8 @@ def test_a_client_that_reads_the_call_gets_every_batch_there(server, image_names
     since = len(server.log)
     stream = _RawStream(server.address, image_names[:10])
     try:
-        assert stream.header.lane_name  # offered
+        lane = os.stat(os.path.join(SHM_DIR, stream.header.lane_name))
+        assert stat.S_ISSOCK(lane.st_mode) and stat.S_IMODE(lane.st_mode) == 0o600  # offered
         stream.send(attached=feed_pb2.Attached(lane=False))
         seqs = []
         for message in stream.call:

@@ -144,8 +144,9 @@ class OpenStream:
         self._outbox.put(feed_pb2.ClientMessage(deal=feed_pb2.Deal(batches=batches, last=last)))
 
     def close(self) -> None:
-        if self._lane is not None:
-            self._lane.close()
+        lane = self._lane  # once: the reading thread may let go of it meanwhile
+        if lane is not None:
+            lane.close()
         if self._reader is not None:
             self._reader.close()
         self._call.cancel()

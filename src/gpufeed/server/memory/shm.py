@@ -91,7 +91,8 @@ class ShmNamespace:
         self.server_id = secrets.token_hex(8)
         removed = _remove_stale()
         if removed:
-            _log.info("removed %d shared-memory segments left by dead servers", removed)
+            _log.info("removed %d shared-memory segments and lanes left by dead servers",
+                      removed)
         self.probe_token = secrets.token_bytes(16)
         try:
             self.probe: SharedSegment | None = self._make_probe()

@@ -15,6 +15,9 @@ else: the status comes there, after the server has closed the lane.
 One connection per lane: its name is unlinked as soon as the trainer has
 connected (or the stream ends). A message is whole or not sent: a batch's
 message over ``LANE_MESSAGE_BYTES`` goes on the call, announced on the lane.
+At the stream's end the server half-closes the lane; the trainer reads the
+batches left, then the end of file, and closes its end; then the server
+closes the lane and ends the call.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import hmac
 import os
 import secrets
 import socket
+import threading
 import time
 
 from gpufeed.v1.vocabulary import LANE_MESSAGE_BYTES, SHM_DIR
@@ -36,13 +40,16 @@ class StreamLane:
     """One stream's lane, from its offer in the header to its close.
 
     Raises OSError if its socket cannot be made (the stream then goes on the
-    call). ``connect`` takes the trainer's connection; ``send`` and ``receive``
-    then carry whole messages; ``shutdown`` wakes a thread blocked in either.
+    call). ``accept`` takes the trainer's connection; ``send`` and ``receive``
+    then carry whole messages; ``shutdown`` wakes a thread blocked in either
+    (from any thread); ``close`` waits for ``reader`` (the thread that receives)
+    before it lets go of the socket, so no thread uses a closed descriptor.
     """
 
     def __init__(self, name: str):
         self.name = name
         self.token = secrets.token_bytes(16)
+        self.reader: threading.Thread | None = None
         self._path = os.path.join(SHM_DIR, name)
         self._listener: socket.socket | None = socket.socket(socket.AF_UNIX,
                                                              socket.SOCK_SEQPACKET)
@@ -56,19 +63,14 @@ class StreamLane:
             self.close()
             raise
 
-    @property
-    def connected(self) -> bool:
-        return self._connection is not None
-
-    def connect(self, timeout: float) -> None:
+    def accept(self, timeout: float) -> None:
         """Take the trainer's connection and check its token, within ``timeout`` seconds.
 
         Raises BadClientMessage if the trainer, which said it connected, did not,
         or sent something else first.
         """
         listener = self._listener
-        if listener is None:
-            raise BadClientMessage("attached: lane is true, but the stream has no lane open")
+        assert listener is not None, "a lane takes one connection"
         deadline = time.monotonic() + timeout
         try:
             listener.settimeout(timeout)
@@ -88,6 +90,8 @@ class StreamLane:
             raise BadClientMessage("attached: the lane's first message was not the "
                                    "header's lane_token")
         connection.settimeout(None)
+        # Room for a whole message of the largest size (Linux doubles what is asked).
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * LANE_MESSAGE_BYTES)
         self._connection = connection
 
     def send(self, data: bytes) -> None:
@@ -96,7 +100,7 @@ class StreamLane:
         assert len(data) <= LANE_MESSAGE_BYTES, "larger messages go on the call"
         if self._connection is None:
             raise OSError("the lane is closed")
-        self._connection.send(data)
+        self._connection.send(data, socket.MSG_NOSIGNAL)  # EPIPE, not SIGPIPE, if it has gone
 
     def receive(self) -> bytes | None:
         """The trainer's next message; None once it has closed the lane, or the lane is
@@ -120,10 +124,30 @@ class StreamLane:
             except OSError:
                 pass
 
+    def finish(self, timeout: float) -> None:
+        """The stream's end: say so to the trainer (end of file after the batches sent),
+        and close once it has closed its end, or after ``timeout`` seconds.
+
+        Closing first would discard Releases the trainer sent meanwhile, and a socket
+        closed with unread messages resets its peer, which could then lose the batches
+        it has not read yet.
+        """
+        if self._connection is not None:
+            try:
+                self._connection.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            if self.reader is not None and self.reader is not threading.current_thread():
+                self.reader.join(timeout)  # it returns at the trainer's end of file
+        self.close()
+
     def close(self) -> None:
-        """Shut the lane and remove its name. Safe to call twice."""
+        """Shut the lane and remove its name; the descriptor goes once ``reader`` has
+        stopped. Safe to call twice."""
         self._close_listener()
         self.shutdown()
+        if self.reader is not None and self.reader is not threading.current_thread():
+            self.reader.join(timeout=10)  # it returns at the shutdown's end of file
         if self._connection is not None:
             self._connection.close()
 

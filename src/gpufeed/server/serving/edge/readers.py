@@ -74,12 +74,19 @@ def read_lane(lane: StreamLane, stream: Stream) -> None:
 
 
 def _released(stream: Stream, release: feed_pb2.Release) -> bool:
-    """Apply a Release (from the call or the lane); False if it ended the stream."""
+    """Apply a Release (from the call or the lane); False if it ended the stream.
+
+    Releases that come after the stream's end (its ring is gone) are read and
+    dropped: the lane must be read to its end of file before it closes."""
+    if stream.cancelled:
+        return True
     # Before the slot goes back: the batch it unblocks may be the stream's last.
     stream.metrics.released(stream.plan.transport, release)
     try:
         stream.release(release.seqs)
     except KeyError as e:
+        if stream.cancelled:  # it ended meanwhile
+            return True
         stream.cancel(BadClientMessage(f"release: batch {e.args[0]} is not one this "
                                        f"stream sent and has not had back"))
         return False

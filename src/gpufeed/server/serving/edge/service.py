@@ -285,6 +285,8 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
         log = _StreamLog(context.peer(), plan, job)
         ending = None
         lane = self._offer_lane(memory)
+        if lane is not None and not context.add_callback(lane.shutdown):  # the call ended:
+            lane.shutdown()  # whatever waits on the lane wakes (a drain, the server stopping)
         # A client that stops reading blocks the handler in `yield` (HTTP/2 flow
         # control) or in the lane's send, where the lease timeout in
         # Stream.published() cannot see it.
@@ -319,16 +321,18 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             stalled.disarm()
             header_sent_at = time.monotonic()
             if lane is not None:
-                lane = _take_lane(lane, stream, plan.lease_timeout, stalled)
+                log.lane = False
+                lane = _take_lane(lane, stream)
                 log.lane = lane is not None
             for batch in stream.published():
                 message = _batch_message(*memory.publish(batch), plan)
                 sending = time.perf_counter()
                 stalled.arm(plan.lease_timeout)
-                if lane is None:
+                on_lane = None if lane is None else _sent_on_lane(lane, message, stream)
+                if on_lane is None and lane is not None:
+                    continue  # the stream has ended: published() raises how
+                if not on_lane:
                     yield message  # returns once gRPC has taken the message
-                elif not _sent_on_lane(lane, message):
-                    yield message  # too large for the lane: announced there, sent here
                 stalled.disarm()
                 log.sent(batch)
                 if batch.rows:
@@ -342,20 +346,22 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
             log.status = f"UNKNOWN: {type(e).__name__}: {e}"
             raise
         finally:
-            stalled.close()
-            if lane is not None:
-                lane.close()  # before the call's status: the trainer then reads the call
-            log.ended()
-            with self._lock:
-                self._streams.discard(stream)
-            self._metrics.closed(stream)
-            stream.close()
-            if job is not None:
-                job.remove_consumer(stream.wake)
-            if header_sent_at is not None and memory.shared:
-                # The client may be opening what the header named: not gone until it has.
-                stream.wait_attached(header_sent_at + _ATTACH_GRACE)
-            memory.close()
+            try:
+                stalled.close()
+                log.ended()
+                with self._lock:
+                    self._streams.discard(stream)
+                self._metrics.closed(stream)
+                stream.close()
+                if job is not None:
+                    job.remove_consumer(stream.wake)
+                if header_sent_at is not None and memory.shared:
+                    # The client may be opening what the header named: not gone until it has.
+                    stream.wait_attached(header_sent_at + _ATTACH_GRACE)
+                memory.close()
+            finally:
+                if lane is not None:  # before the call's status, which the trainer then reads
+                    lane.finish(plan.lease_timeout)
         # Aborting inside `except` would leave the exception, this frame and the stream
         # (with its plan) in a reference cycle, freed only at a garbage collection.
         if ending is not None and ending[0] is not None:
@@ -384,31 +390,32 @@ def _end_stalled(stream: Stream, context, lease_timeout: float,
     end_call(context, _STATUS[LeaseExpired], str(ending))
 
 
-def _take_lane(lane: StreamLane, stream: Stream, lease_timeout: float,
-               stalled) -> StreamLane | None:
+def _take_lane(lane: StreamLane, stream: Stream) -> StreamLane | None:
     """The lane, once the client has said it reads there (and connected); None when it
-    said it reads the call, or said nothing for ``lease_timeout`` (the call it is)."""
-    stalled.arm(lease_timeout)  # a client gone quiet: its call ends, which wakes the wait
-    stream.wait_attached(time.monotonic() + lease_timeout)
-    stalled.disarm()
-    if not (stream.attached and stream.lane):
+    said it reads the call, or said nothing within ``_ATTACH_GRACE`` (the call it is),
+    or the stream ended first."""
+    stream.wait_attached_while_serving(time.monotonic() + _ATTACH_GRACE)
+    if stream.cancelled or not stream.reads_lane:
         lane.close()
         return None
-    lane.connect(_LANE_CONNECT_SECONDS)  # BadClientMessage if it did not
-    threading.Thread(target=read_lane, name="gpufeed-lane-reader", args=(lane, stream),
-                     daemon=True).start()
+    lane.accept(_LANE_CONNECT_SECONDS)  # BadClientMessage if it did not connect
+    lane.reader = threading.Thread(target=read_lane, name="gpufeed-lane-reader",
+                                   args=(lane, stream), daemon=True)
+    lane.reader.start()
     return lane
 
 
-def _sent_on_lane(lane: StreamLane, message: feed_pb2.ServerMessage | InlineBatch) -> bool:
-    """Whether ``message`` went on the lane; if not (too large), the lane says it comes on
-    the call. A lane shut meanwhile (the stream ended) sends nothing."""
+def _sent_on_lane(lane: StreamLane, message: feed_pb2.ServerMessage | InlineBatch,
+                  stream: Stream) -> bool | None:
+    """Whether ``message`` went on the lane (True), or on the call after the lane said so
+    (False: too large for it); None if the lane failed, which ends the stream."""
     data = serialize(message)
     fits = len(data) <= LANE_MESSAGE_BYTES
     try:
         lane.send(data if fits else _ON_CALL)
-    except OSError:
-        pass  # the trainer closed it, or the stream was ended: published() says how
+    except OSError as e:  # the trainer closed the lane, or the stream was ended and shut it
+        stream.cancel(ClientGone(f"the lane failed: {e}"))  # no-op if ended: that ending stands
+        return None
     return fits
 
 

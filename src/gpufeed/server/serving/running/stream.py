@@ -295,7 +295,7 @@ class Stream:
         self.state = StreamState.SERVING
         # Apart from the state: a client may attach after the stream was cancelled.
         self._attached = False
-        self.lane = False  # the client said it reads the batches on the stream's lane
+        self.reads_lane = False  # the client said it reads the batches on the stream's lane
         self._ending: StreamEnded = ClientGone()
         self._last_heard = time.monotonic()  # a Release or a Deal
         self._read_any = False  # a Release came: the client reads the stream's batches
@@ -350,13 +350,16 @@ class Stream:
         ``lane``: and connected to the stream's lane, where it reads the batches."""
         self.memory.attached()
         with self.cond:
+            self.reads_lane = lane
             self._attached = True
-            self.lane = lane
             self.cond.notify_all()
 
-    @property
-    def attached(self) -> bool:
-        return self._attached
+    def wait_attached_while_serving(self, deadline: float) -> None:
+        """Until the client has said ``attached``, the stream has ended, or ``deadline``
+        (time.monotonic) has passed: where to send the first batch is then known."""
+        with self.cond:
+            self.cond.wait_for(lambda: self._attached or self.cancelled,
+                               max(deadline - time.monotonic(), 0))
 
     def wait_attached(self, deadline: float) -> None:
         """Until the client has mapped (or opened) the memory, is gone, or ``deadline``
