@@ -113,15 +113,10 @@ def connect_lane(header: feed_pb2.StreamHeader) -> Lane | None:
     if not _LANE_NAME.fullmatch(name):
         raise data_loss(f"the server's lane_name {name!r} is not a gpufeed name in {SHM_DIR}")
     path = os.path.join(SHM_DIR, name)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):  # no symbolic link to another socket
             raise data_loss(f"the server's lane_name {name!r} is not a socket")
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    except OSError as e:
-        _log.debug("the stream's lane %s cannot be reached (%s): batches come on the call",
-                   name, e)
-        return None
-    try:
         connection.settimeout(10.0)  # a listening socket answers at once
         connection.connect(path)
         connection.send(header.lane_token)
@@ -131,4 +126,7 @@ def connect_lane(header: feed_pb2.StreamHeader) -> Lane | None:
         _log.debug("the stream's lane %s cannot be reached (%s): batches come on the call",
                    name, e)
         return None
+    except BaseException:
+        connection.close()
+        raise
     return Lane(connection)

@@ -328,11 +328,14 @@ class FeedServicer(feed_pb2_grpc.FeedServicer):
                 message = _batch_message(*memory.publish(batch), plan)
                 sending = time.perf_counter()
                 stalled.arm(plan.lease_timeout)
-                on_lane = None if lane is None else _sent_on_lane(lane, message, stream)
-                if on_lane is None and lane is not None:
-                    continue  # the stream has ended: published() raises how
-                if not on_lane:
+                if lane is None:
                     yield message  # returns once gRPC has taken the message
+                else:
+                    sent = _sent_on_lane(lane, message, stream)
+                    if sent is None:
+                        continue  # the lane failed, which ended the stream: published() raises
+                    if not sent:
+                        yield message  # too large for the lane, which said it comes here
                 stalled.disarm()
                 log.sent(batch)
                 if batch.rows:
