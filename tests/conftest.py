@@ -32,6 +32,19 @@ def _servers_forked_from_one_that_imported_torch():
         forks.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _environment_kept_to_its_module():
+    """What a module does to ``os.environ`` ends with it. Lightning sets ``TORCH*``
+    variables as it fits; left set, they reached every later server of that test
+    process, and a server whose start-up environment differs from the fork server's
+    starts plainly (~4 CPU-s each, tests/forked_servers.py)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
     """NUM_IMAGES JPEGs of varied sizes (some under 224 px, so some are upscaled)."""

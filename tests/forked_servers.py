@@ -48,6 +48,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 
 __all__ = ["ForkServer"]
@@ -91,7 +92,11 @@ class ForkServer:
             assert self._proc.stdout is not None
             self._ready = self._proc.stdout.readline() == b"ready\n"
         if self._ready and self._proc.poll() is not None:
-            self._ready = False  # it died (its log says why): start plainly from now on
+            self._ready = False  # it died: start plainly from now on, saying why
+            with open(os.path.join(self._dir, "log"), errors="replace") as log:
+                said = log.read()[-2000:]
+            warnings.warn(f"the fork server exited ({self._proc.returncode}); servers start "
+                          f"plainly from now on. Its log ends: {said}", stacklevel=2)
         return os.path.join(self._dir, "socket") if self._ready else ""
 
     def close(self) -> None:
