@@ -25,7 +25,6 @@ import itertools
 from .. import jobs
 from . import Unavailable
 from .shards import BUCKET, pack, seaweed_shards
-from .torch_loader import pillow_image
 
 __all__ = ["run"]
 
@@ -61,6 +60,8 @@ def _split(shards: list[str]) -> str:
 
 
 def _read(wds, urls: list[str], config, meter, job: str) -> None:
+    from .torch_loader import pillow_image  # torch: only once webdataset is known to be here
+
     size = tuple(config.size)
     if len(urls) >= _WORKERS:  # WebDataset's default: each worker its own shards
         dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False)
