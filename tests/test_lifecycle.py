@@ -184,7 +184,8 @@ def test_sigterm_ends_the_server_even_when_a_decode_thread_never_returns(data_di
         with FeedClient(server.address) as feed:
             feed.loader(files=image_names[:4], batch_size=2, size=(16, 16),
                         transforms=[("never_returns", {"marker": str(marker)})])
-            assert wait_until(marker.exists, timeout=60)
+            # The server's log says why, should the transform never be reached.
+            assert wait_until(marker.exists, timeout=60), "".join(server.log)
             server.proc.send_signal(signal.SIGTERM)
             code = server.proc.wait(timeout=90)  # without the watchdog: forever
     finally:
