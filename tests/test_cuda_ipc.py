@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -254,3 +255,26 @@ def test_kept_cuda_batches_equal_copies(gpu_server, image_names):
     for g, e in zip(got, expected):
         assert all(torch.equal(g[name], e[name]) for name in e)
     assert torch.equal(labels, torch.cat([b["label"] for b in expected]))
+
+
+@pytest.mark.cuda
+def test_a_trainer_waiting_for_its_kernels_does_not_spin_a_core(gpu_server, image_names):
+    """A slot goes back once the kernels that read its batch have run; the client's
+    thread that waits for them sleeps meanwhile. Each batch here is read by about 50 ms
+    of GPU work, as by a training step, so the loop runs at the GPU's pace: a spinning
+    wait would cost that thread about as much CPU time as the loop takes."""
+    watched = []  # (wall clock, the waiting thread's CPU clock), at each batch
+    with FeedClient(gpu_server.address) as feed:
+        loader = feed.loader(files=image_names[:96], batch_size=8, size=(32, 32),
+                             transport="cuda_ipc", prefetch=2)
+        for batch in loader:
+            batch["image"].float().sum()  # reads the slot, and a step's worth of kernels
+            torch.cuda._sleep(100_000_000)  # after it (1e8 GPU cycles)
+            if not watched:  # the thread starts as the stream opens; it ends with it
+                thread = next(t for t in threading.enumerate()
+                              if t.name == "gpufeed-cuda-release")
+                clock = time.pthread_getcpuclockid(thread.ident)
+            watched.append((time.perf_counter(), time.clock_gettime(clock)))
+    (wall0, cpu0), (wall1, cpu1) = watched[1], watched[-1]
+    assert wall1 - wall0 > 0.2, f"{wall1 - wall0:.3f} s: too short to tell"
+    assert cpu1 - cpu0 < 0.2 * (wall1 - wall0), (cpu1 - cpu0, wall1 - wall0)

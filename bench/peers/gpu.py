@@ -27,8 +27,8 @@ def count_when_done(meter, batches: Iterable[torch.Tensor], size: tuple[int, int
             jobs.check_batch(batch.shape, batch.dtype, size, "train-u8")
         done = None
         if batch.is_cuda:
-            done = torch.cuda.Event()
-            done.record()
+            done = torch.cuda.Event(blocking=True)  # waited for asleep: a spinning wait
+            done.record()  # would count a core's CPU against the peer
         if pending is not None:
             _count(meter, *pending)
         pending = (int(batch.shape[0]), done)

@@ -14,7 +14,9 @@ the slot before the clone has read it.
 A dropped batch is given back by recording an event on the stream that was
 current when it was fetched; a watcher thread sends the Release once that
 event has completed, so the server never rewrites a slot that kernels queued
-there still read. A trainer that reads a batch on another stream orders that
+there still read. The watcher sleeps until then (a blocking-sync event): a
+plain event's wait spins a CPU core for as long as the training step's
+kernels run. A trainer that reads a batch on another stream orders that
 stream itself (``other.wait_stream(fetching)`` before, and the reverse before
 it drops the batch), as for any tensor shared between streams. Requirements
 and failure modes are listed in gpufeed/server/memory/cuda_ipc.py.
@@ -100,7 +102,7 @@ class CudaBatches:
 
     def _give_back(self, seq: int, stream: torch.cuda.Stream) -> None:
         """Release ``seq`` once the kernels queued so far on ``stream`` are done."""
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)  # waited for asleep, not spinning
         done.record(stream)
         self._finished.put((seq, done))
 
