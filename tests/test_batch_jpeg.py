@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from gpufeed.client import FeedClient, Field
+from gpufeed.server.config import Limits
 from gpufeed.server.demo import synthetic_photo
 from gpufeed.server.media import batch_jpeg, batch_resample, jpeg
 from gpufeed.server.media.batch_jpeg import BatchDecoders, BatchJpegDecoder, Deferred
@@ -36,7 +37,15 @@ from gpufeed.server.media.batch_resample import (
 )
 from gpufeed.server.media.draws import sample_draws
 from gpufeed.server.media.output import OutputTransform
+from gpufeed.server.media.samples import Decoders
+from gpufeed.server.memory.cuda_ipc import _host_written_spans
+from gpufeed.server.memory.heap import HeapSlots
+from gpufeed.server.memory.slots import batch_fields
 from gpufeed.server.process import ServerProcess
+from gpufeed.server.serving.planning.plan import plan_stream
+from gpufeed.server.serving.running.pool import DecodePool
+from gpufeed.server.serving.running.stream import Stream
+from gpufeed.server.storage.roots import Storage
 from gpufeed.v1 import feed_pb2
 
 pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec is not installed (dev extra)")
@@ -222,6 +231,43 @@ def test_what_nvimgcodec_cannot_read_is_handed_back():
     assert np.abs(out[0].astype(np.int16) - _pillow(good, jobs[0].box, False)).max() <= _LEVELS
 
 
+def test_a_batch_decoded_whole_goes_to_the_device_rows_alone():
+    """Offered the rows where the trainer reads the batch (cuda_ipc's device slot: here a
+    CPU tensor stands in for it), the decoder writes them there when every row is a JPEG
+    it decodes, and leaves the host rows as they were; when one is handed back, the
+    pixels all go to the host rows, where the CPU path adds the rest. Rows that are not
+    the jobs' are refused: pixels written there would be read as others'."""
+    rng = np.random.default_rng(6)
+    files = [_jpeg(rng, int(rng.integers(60, 200)), int(rng.integers(60, 200))) for _ in range(5)]
+    sizes = [Image.open(io.BytesIO(data)).size[::-1] for data in files]
+    jobs = [Deferred(row, data, (3.0, 5.0, size[0] - 9.5, size[1] - 7.25), row % 2 == 0, size)
+            for row, (data, size) in enumerate(zip(files, sizes))]
+    jobs = [jobs[k] for k in (3, 0, 4, 1, 2)]  # decode threads defer rows in any order
+    decoder = BatchJpegDecoder(torch.device("cpu"))
+    want = np.zeros((5, 3, *SIZE), np.uint8)
+    assert decoder.decode(jobs, want) == []
+
+    host = np.full((6, 3, *SIZE), 0xAB, np.uint8)  # a slot of 6 rows, for a batch of 5
+    device = torch.full((5, 3, *SIZE), 0xAB, dtype=torch.uint8)
+    assert decoder.decode(jobs, host, device) == []
+    np.testing.assert_array_equal(device.numpy(), want)
+    assert (host == 0xAB).all()
+
+    junk = Deferred(5, b"\xff\xd8\xff" + b"junk" * 40, (0.0, 0.0, 9.0, 9.0), False, (10, 10))
+    device = torch.full((6, 3, *SIZE), 0xAB, dtype=torch.uint8)
+    assert decoder.decode([*jobs, junk], host, device) == [junk]
+    np.testing.assert_array_equal(host[:5], want)
+    assert (device.numpy() == 0xAB).all()
+
+    for rows in (torch.zeros((6, 3, *SIZE), dtype=torch.uint8),  # a row not deferred
+                 torch.zeros((5, 3, *SIZE[::-1]), dtype=torch.uint8),
+                 torch.zeros((5, 3, *SIZE), dtype=torch.float32)):
+        with pytest.raises(ValueError, match="device_out"):
+            decoder.decode(jobs, host, rows)
+    with pytest.raises(ValueError, match="not its rows"):
+        decoder.decode(jobs[1:], host, torch.zeros((4, 3, *SIZE), dtype=torch.uint8))
+
+
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     """JPEGs (4:2:0 and 4:4:4, small and large), a PNG, a CMYK JPEG, a corrupt and a cut
@@ -289,6 +335,131 @@ def test_a_server_decoding_a_batch_at_a_time_serves_what_the_cpu_path_serves(mix
         flip = sample_draws(SEED, EPOCH, i, 1).random() < 0.5
         diff = np.abs(image.astype(np.int16) - _pillow(data, box, flip)).max()
         assert diff <= _LEVELS, (names[i], diff)
+
+
+class _CpuTwinSlots(HeapSlots):
+    """cuda_ipc's slot memory with a CPU tensor for its ring on the GPU: the batch decode
+    may write a slot's pixels there (``device_views``), and ``publish`` does what
+    DeviceRing.publish does on a GPU, on the CPU: it copies the spans the host wrote
+    (all but the pixels, for a batch decoded there) to the twin and runs the batch pass
+    on the twin."""
+
+    def __init__(self, plan):
+        super().__init__(plan)
+        self.twin = torch.zeros(len(self.host), dtype=torch.uint8)
+
+    def twin_views(self, slot: int) -> dict[str, torch.Tensor]:
+        size = self._plan.layout.slot_bytes
+        return self._plan.layout.views(self.twin[slot * size:(slot + 1) * size])
+
+    def device_views(self, slot: int) -> dict[str, torch.Tensor]:
+        return self.twin_views(slot)
+
+    def filled(self, slot, rows: int) -> None:
+        pass  # the batch pass runs on the twin (publish)
+
+    def publish(self, batch):
+        size = self._plan.layout.slot_bytes
+        host = torch.frombuffer(self.host, dtype=torch.uint8)[batch.slot * size:][:size]
+        twin = self.twin[batch.slot * size:][:size]
+        for begin, end in _host_written_spans(self._plan.layout, batch.pixels_on_device):
+            twin[begin:end] = host[begin:end]
+        if batch.rows and self._plan.transform is not None:
+            self._plan.transform.finish_slot(self.twin_views(batch.slot), batch.rows)
+        return batch_fields(batch, self._plan.layout), None
+
+
+def _stream_rows(root: Path, names: list[str], output: feed_pb2.OutputSpec, batch_decode: bool,
+                 name_room: int | None = None
+                 ) -> tuple[dict[int, np.ndarray], set[int], list[bool]]:
+    """A stream of ``names`` in batches of 4, in order, served from a ``_CpuTwinSlots``:
+    (index: the row the trainer reads, the failed indices, each batch's pixels_on_device).
+    ``name_room``: the stream sends names, and a name over so many bytes fails its sample
+    (as one over PATH_MAX does) after the sample's read."""
+    request = feed_pb2.StreamRequest(files=feed_pb2.FileList(paths=names), batch_size=4,
+                                     output=output, seed=SEED, epoch=EPOCH,
+                                     max_failures=len(names), names=name_room is not None)
+    storage = Storage([str(root)])
+    plan = plan_stream(request, storage, Limits(), (feed_pb2.TRANSPORT_INLINE,),
+                       batch_decode=batch_decode)
+    if name_room is not None:
+        assert plan.names is not None
+        plan.names.room = name_room
+    memory = _CpuTwinSlots(plan)
+    shared = BatchDecoders(torch.device("cpu"), threads=2) if batch_decode else None
+    pool = DecodePool(2, lambda: Decoders(batch=shared))
+    stream = Stream(plan, storage, pool, memory)
+    rows, failed, on_device = {}, set(), []
+    try:
+        stream.start()
+        for batch in stream.published():
+            memory.publish(batch)
+            views = memory.twin_views(batch.slot)
+            for i, image in zip(views["index"][:batch.rows].tolist(), views["image"][:batch.rows]):
+                rows[i] = image.numpy().copy()
+            failed |= {index for index, _, _ in batch.failures}
+            on_device.append(batch.pixels_on_device)
+            stream.release([batch.seq])
+    finally:
+        stream.close()
+        pool.close()
+    return rows, failed, on_device
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_a_batch_decoded_whole_is_read_from_the_device_slot(mixed, dtype):
+    """With cuda_ipc the trainer reads the slot on the GPU (here a CPU twin of it): an
+    all-JPEG batch is decoded straight into it, a batch with a PNG or a failed file goes
+    through the host, and every row the trainer reads is right either way, also where
+    the batch pass makes a float image of the decoded pixels."""
+    root, names = mixed
+    order = ["j0.jpg", "j1.jpg", "j2.jpg", "j3.jpg",  # JPEGs alone
+             "j4.jpg", "p.png", "j5.jpg", "j6.jpg",  # a PNG: the decode threads' row
+             "j7.jpg", "corrupt.jpg", "j8.jpg", "gray.jpg",  # a failure
+             "j9.jpg", "cmyk.jpg", "cut.jpg", "bomb.jpg",
+             "j5.jpg", "j1.jpg"]  # a last batch of 2 rows in a slot of 4
+    normalise = dict(mean=[0.5, 0.4, 0.3], std=[0.2, 0.25, 0.3]) if dtype == "float32" else {}
+    output = feed_pb2.OutputSpec(height=SIZE[0], width=SIZE[1], dtype=dtype, flip_probability=0.5,
+                                 resize=feed_pb2.RESIZE_RANDOM_RESIZED_CROP, **normalise)
+    got, failed, on_device = _stream_rows(root, order, output, batch_decode=True)
+    want, cpu_failed, _ = _stream_rows(root, order, output, batch_decode=False)
+    assert on_device == [True, False, False, False, True]
+    assert failed == cpu_failed == {9, 14, 15} and set(got) == set(want)
+    assert set(got) | failed == set(range(len(order)))
+    _assert_rows(root, order, output, got, want)
+
+
+def test_a_row_failed_after_its_read_is_not_left_in_the_device_slot(mixed):
+    """A sample can fail after its read was left for the batch decode (its name over its
+    room): its batch closes the gap on the host, so it must not be decoded into the
+    device slot, where the rows after it would keep their places and labels would name
+    the wrong images."""
+    root, _ = mixed
+    order = ["j0.jpg", "j1.jpg", "gray.jpg", "j3.jpg", "j4.jpg", "j5.jpg", "j6.jpg", "j7.jpg"]
+    output = feed_pb2.OutputSpec(height=SIZE[0], width=SIZE[1])
+    got, failed, on_device = _stream_rows(root, order, output, batch_decode=True, name_room=6)
+    assert failed == {2} and set(got) == set(range(len(order))) - {2}
+    assert on_device == [False, True]
+    _assert_rows(root, order, output, got, {})
+
+
+def _assert_rows(root: Path, order: list[str], output: feed_pb2.OutputSpec,
+                 got: dict[int, np.ndarray], cpu: dict[int, np.ndarray]) -> None:
+    """Each JPEG's row within ``_LEVELS`` of Pillow on its box (a float row's levels back
+    from its normalisation); a PNG's or CMYK JPEG's, the CPU path's row in ``cpu``."""
+    transform = OutputTransform(output, SEED, EPOCH)
+    for i, image in got.items():
+        if order[i] in ("p.png", "cmyk.jpg"):  # the decode threads' path: the CPU's rows
+            np.testing.assert_array_equal(image, cpu[i], order[i])
+            continue
+        data = (root / order[i]).read_bytes()
+        with Image.open(io.BytesIO(data)) as im:
+            box = transform.box(i, im.height, im.width)
+        reference = _pillow(data, box, transform.choose(i)[1]).astype(np.float32)
+        if output.mean:  # the levels back from (x / 255 - mean) / std
+            image = (image * np.array(output.std)[:, None, None]
+                     + np.array(output.mean)[:, None, None]) * 255
+        assert np.abs(image - reference).max() <= _LEVELS + 1e-3, (order[i], i)
 
 
 def test_fields_and_sample_transforms_keep_the_cpu_path(mixed):
@@ -359,7 +530,12 @@ def test_on_the_gpu_the_resample_kernel_makes_the_torch_paths_pixels():
 
 
 @pytest.mark.cuda
-def test_a_gpu_server_decoding_a_batch_at_a_time_serves_over_cuda_ipc(mixed):
+@pytest.mark.parametrize("normalise", [{}, dict(dtype="float32", mean=[0.5, 0.4, 0.3],
+                                                std=[0.2, 0.25, 0.3])])
+def test_a_gpu_server_decoding_a_batch_at_a_time_serves_over_cuda_ipc(mixed, normalise):
+    """The batches the trainer reads on the GPU: those of JPEGs alone decoded straight
+    into its slot there, the others through the host ring (test_a_batch_decoded_whole_..
+    shows which goes where), a float image made there of either."""
     root, names = mixed
     with ServerProcess(["--data-root", str(root), "--device", "cuda:0", "--decoder",
                         "nvimgcodec"]) as server:
@@ -367,23 +543,17 @@ def test_a_gpu_server_decoding_a_batch_at_a_time_serves_over_cuda_ipc(mixed):
         with FeedClient(server.address) as feed:
             loader = feed.loader(files=names, batch_size=4, size=SIZE,
                                  resize="random_resized_crop", flip=0.5, seed=SEED,
-                                 epoch=EPOCH, failure_budget=len(names), transport="cuda_ipc")
+                                 epoch=EPOCH, failure_budget=len(names), transport="cuda_ipc",
+                                 **normalise)
             got = {i: image.cpu().numpy() for batch in loader
                    for i, image in zip(batch["index"].tolist(), batch["image"])}
             failed = {names[f.index] for f in loader.failures}
     assert failed == {"corrupt.jpg", "cut.jpg", "bomb.jpg"}
     assert set(got) | {names.index(n) for n in failed} == set(range(len(names)))
-    transform = OutputTransform(feed_pb2.OutputSpec(height=SIZE[0], width=SIZE[1],
-                                                    resize=feed_pb2.RESIZE_RANDOM_RESIZED_CROP),
-                                SEED, EPOCH)
-    for i, image in got.items():
-        if names[i] in ("p.png", "cmyk.jpg"):
-            continue
-        data = (root / names[i]).read_bytes()
-        with Image.open(io.BytesIO(data)) as im:
-            box = transform.box(i, im.height, im.width)
-        flip = sample_draws(SEED, EPOCH, i, 1).random() < 0.5
-        assert np.abs(image.astype(np.int16) - _pillow(data, box, flip)).max() <= _LEVELS
+    output = feed_pb2.OutputSpec(height=SIZE[0], width=SIZE[1], flip_probability=0.5,
+                                 resize=feed_pb2.RESIZE_RANDOM_RESIZED_CROP, **normalise)
+    _assert_rows(root, names, output, {i: image for i, image in got.items()
+                                       if names[i] not in ("p.png", "cmyk.jpg")}, {})
 
 
 def test_the_module_knows_a_jpeg():

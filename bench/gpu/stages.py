@@ -10,7 +10,8 @@ random crops through:
   resampling, the batch copied to pinned host memory), on one thread and on 2, 4
   and 16 at once, each with its decoder (the server shares two); resampled by the
   CUDA kernel where prepare.sh built it, and, on one thread, by torch
-  (``server-torch``);
+  (``server-torch``); and on one thread into rows on the GPU, as a cuda_ipc batch of
+  JPEGs alone is decoded into the slot the trainer reads (``server into the device``);
 - ``server x2 beside readers``: two of them while 14 (or 2) more threads read and
   parse the files as the server's decode threads do, with Python's default GIL
   switch interval and with 0.5 ms;
@@ -48,12 +49,12 @@ def _output(batch: int, size):
 
 
 def _server(decoder, files, sizes, boxes, batches: int, batch: int, size, at: int = 0,
-            out=None) -> float:
+            out=None, device_out=None) -> float:
     if out is None:
         out = _output(batch, size)
     began = time.perf_counter()
     for k in range(at, at + batches):
-        left = decoder.decode(_jobs(files, sizes, boxes, k * batch, batch), out)
+        left = decoder.decode(_jobs(files, sizes, boxes, k * batch, batch), out, device_out)
         assert not left, f"{len(left)} handed back"
     return time.perf_counter() - began
 
@@ -201,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         how = kernel if name == "server" else "torch"
         print(f"stages {name} x1 ({how}): {args.batches * batch / seconds:.0f} img/s",
               flush=True)
+    rows = torch.empty((batch, 3, *size), dtype=torch.uint8, device=device)
+    seconds = _server(decoder, files, sizes, boxes, args.batches, batch, size, device_out=rows)
+    print(f"stages server into the device x1 ({kernel}): "
+          f"{args.batches * batch / seconds:.0f} img/s", flush=True)
 
     # How the rate holds up as more decoders decode at once, each on its thread: what
     # the server's count of shared decoders (batch_jpeg.CONCURRENT) was chosen by.

@@ -64,16 +64,17 @@ def _load_plugins(modules: list[str], threads: int) -> None:
     set_process_count(threads)
 
 
-def _batch_decoders(config: ServerConfig) -> batch_jpeg.BatchDecoders | None:
+def _batch_decoders(config: ServerConfig, device: torch.device
+                    ) -> batch_jpeg.BatchDecoders | None:
     """The decoders that decode JPEGs a batch at a time (``--decoder nvimgcodec``: on the
-    server's --device, a GPU or the CPU backend), saying so in the log; None for the CPU
-    path. RuntimeError, saying what to install, without nvImageCodec."""
+    server's ``device``, a GPU as check_device names it, the one its cuda_ipc rings are
+    on, or the CPU backend), saying so in the log; None for the CPU path. RuntimeError,
+    saying what to install, without nvImageCodec."""
     if config.decoder == "cpu":
         _log.info(jpeg.describe())
         return None
     if config.decoder != "nvimgcodec":
         raise ValueError(f"--decoder {config.decoder!r}: use cpu or nvimgcodec")
-    device = torch.device(config.device)
     try:
         _log.info(batch_jpeg.describe(device))
     except ImportError as e:
@@ -95,7 +96,7 @@ class FeedServer:
 
             device = check_device(config.device)
         _load_plugins(config.plugins, config.threads)
-        batch = _batch_decoders(config)
+        batch = _batch_decoders(config, device or torch.device("cpu"))
         self._shm = ShmNamespace()
         self._pool = DecodePool(config.threads, partial(Decoders, config.max_pixels, batch))
         self._watchdog = Watchdog()

@@ -15,14 +15,19 @@ sub-pixel position (batch_resample.py: Pillow's bilinear triangle, widened when
 shrinking, as src/gpufeed/server/media/_jpeg.c computes it), mirrored for a flip,
 into the batch's rows: by one launch of gpufeed's CUDA kernel (_resample.cu) where
 bench/gpu/prepare.sh built it, else by two batched matrix products (on any device).
-Either is within a level or two of Pillow cropping and resizing the
-same box, and within one of the other. It agrees as closely with the CPU path where
-that decodes at full scale; where the box is twice the output or more, the CPU path
+Either is within a level or two of Pillow cropping and resizing the same box, and
+within one of the other. It agrees as closely with the CPU path where that decodes at
+full scale; where the box is twice the output or more, the CPU path
 lets libjpeg shrink it in the IDCT (a coarser filter, ~30 dB against Pillow), and
 this path, decoding the region at full scale, is the closer of the two. What this
 path does not take (another format, a CMYK or YCCK JPEG, a file cut short) or cannot
 decode (a broken file) is decoded by the CPU path from the same bytes, so it comes
 out, or fails, exactly as without the flag.
+
+Where the pixels go: a cuda_ipc batch whose every row is such a JPEG is written
+straight into the slot on the GPU that the trainer reads (no trip through host
+memory); any other batch goes to the slot's host rows, where the rows decoded on the
+CPU join it and the gaps that failed rows leave are closed.
 """
 
 from __future__ import annotations
@@ -125,6 +130,19 @@ class Deferred:
     size: tuple[int, int]  # the source's (height, width), as its header declares
 
 
+def _check_device_rows(jobs: list[Deferred], out: np.ndarray, device_out: torch.Tensor,
+                       device: torch.device) -> None:
+    """ValueError unless ``device_out`` is the rows of ``jobs`` (sorted by row), on
+    ``device``: uint8, shaped as ``out``'s rows, one for each job, in the jobs' order."""
+    want = (len(jobs), *out.shape[1:])
+    if device_out.device != device or device_out.dtype != torch.uint8 \
+            or tuple(device_out.shape) != want:
+        raise ValueError(f"device_out: {device_out.dtype} {tuple(device_out.shape)} on "
+                         f"{device_out.device}; the decoder writes uint8 {want} on {device}")
+    if [job.row for job in jobs] != list(range(len(jobs))):
+        raise ValueError("device_out: the jobs are not its rows 0 .. n - 1, each once")
+
+
 def _whole(data: bytes) -> bool:
     """Whether a JPEG's compressed data ends: an end-of-image marker after its first scan.
 
@@ -162,11 +180,12 @@ class BatchDecoders:
         for _ in range(max(count, 1)):
             self._free.put(BatchJpegDecoder(device))
 
-    def decode(self, jobs: list[Deferred], out: np.ndarray) -> list[Deferred]:
+    def decode(self, jobs: list[Deferred], out: np.ndarray,
+               device_out: torch.Tensor | None = None) -> list[Deferred]:
         """``BatchJpegDecoder.decode`` on the first decoder free."""
         decoder = self._free.get()
         try:
-            return decoder.decode(jobs, out)
+            return decoder.decode(jobs, out, device_out)
         finally:
             self._free.put(decoder)
 
@@ -203,16 +222,30 @@ class BatchJpegDecoder:
         """Whether batches are resampled by gpufeed's CUDA kernel (else by torch)."""
         return self._library is not None
 
-    def decode(self, jobs: list[Deferred], out: np.ndarray) -> list[Deferred]:
+    def decode(self, jobs: list[Deferred], out: np.ndarray,
+               device_out: torch.Tensor | None = None) -> list[Deferred]:
         """Write each job's row of ``out`` (uint8 [N, 3, H, W], host memory); returns the
-        jobs nvImageCodec could not decode, for the CPU path."""
+        jobs nvImageCodec could not decode, for the CPU path.
+
+        ``device_out``: the rows where the batch is read on this decoder's device (cuda_ipc's
+        device slot), offered when the jobs are every one of them: uint8 [n, 3, H, W] for
+        the jobs' rows 0 .. n - 1. Where every job decodes here, the pixels are written
+        there alone (nothing returned: the batch needs no trip through host memory);
+        where one is handed back, they all go to ``out``, as without it. ValueError for
+        rows that are not the jobs'.
+
+        On a GPU this returns once the device's work for the batch is done (``_wait``),
+        so whoever reads ``device_out`` next needs no event from this decoder's stream."""
         if not jobs:
             return []
+        jobs = sorted(jobs, key=lambda job: job.row)  # decode threads defer in any order
+        if device_out is not None:
+            _check_device_rows(jobs, out, device_out, self.device)
         if self._stream is None:
-            return self._decode(jobs, out)
+            return self._decode(jobs, out, device_out)
         with torch.cuda.stream(self._stream):
             try:
-                left = self._decode(jobs, out)
+                left = self._decode(jobs, out, device_out)
             except BaseException:
                 # nvImageCodec may have queued work on streams of its own before it raised:
                 # all of the device's work done before the next batch refills the staged
@@ -223,7 +256,8 @@ class BatchJpegDecoder:
             self._wait()  # nothing queued still reads the staged files (_staged)
             return left
 
-    def _decode(self, jobs: list[Deferred], out: np.ndarray) -> list[Deferred]:
+    def _decode(self, jobs: list[Deferred], out: np.ndarray,
+                device_out: torch.Tensor | None) -> list[Deferred]:
         nvimgcodec = self._nvimgcodec
         whole = [_whole(job.data) for job in jobs]  # nvJPEG decodes a cut file without a
         failed = [job for job, ok in zip(jobs, whole) if not ok]  # word: handed back
@@ -269,17 +303,21 @@ class BatchJpegDecoder:
         rows = [jobs[i].row for i in pick]
         ys, xs = ys.pick(pick), xs.pick(pick)
         flips = np.array([jobs[i].flip for i in pick])
+        into = device_out if not failed else None  # else all to the host, with the rest
         pixels = None
         if self._library is not None:
             pixels = self._resample_kernel(regions, ys, xs, boxes[pick], sizes[pick], flips,
-                                           (height, width))
+                                           (height, width), into)
         if pixels is None:  # every region into one zero-padded batch, two batched products
             padded = torch.zeros((len(regions), int(spans[0].max()), int(spans[1].max()), 3),
                                  dtype=torch.uint8, device=self.device)
             for k, region in enumerate(regions):
                 padded[k, :region.shape[0], :region.shape[1]] = region
             pixels = resample(padded, ys, xs, flips)
-        self._copy_out(pixels, rows, out)
+        if into is None:
+            self._copy_out(pixels, rows, out)
+        elif pixels is not into:  # else the kernel wrote them there
+            into.copy_(pixels)
         return failed
 
     def _copy_out(self, pixels: torch.Tensor, rows: list[int], out: np.ndarray) -> None:
@@ -338,9 +376,11 @@ class BatchJpegDecoder:
 
     def _resample_kernel(self, regions: list[torch.Tensor], ys: Taps, xs: Taps,
                          boxes: np.ndarray, sizes: np.ndarray, flips: np.ndarray,
-                         out_size: tuple[int, int]) -> torch.Tensor | None:
+                         out_size: tuple[int, int], into: torch.Tensor | None
+                         ) -> torch.Tensor | None:
         """The regions, where nvImageCodec left them, resampled by one kernel launch:
-        uint8 [N, 3, H, W] on the device. ``sizes``: the source images' (height, width).
+        uint8 [N, 3, H, W] on the device, in ``into`` where that is given and contiguous.
+        ``sizes``: the source images' (height, width).
         The regions stay referenced by the caller until the batch has been copied out, so
         their memory outlives the kernel. None if the kernel does not launch (a driver
         older than its CUDA runtime, a chip it was not built for): it is then left off for
@@ -351,7 +391,11 @@ class BatchJpegDecoder:
         regions = [r if r.stride()[1:] == (3, 1) else r.contiguous() for r in regions]
         crops = kernel_crops(regions, ys, xs, boxes, sizes, flips)
         on_device = upload(crops.view(np.uint8), self.device)
-        pixels = torch.empty((len(regions), 3, *out_size), dtype=torch.uint8, device=self.device)
+        if into is not None and into.is_contiguous():
+            pixels = into
+        else:
+            pixels = torch.empty((len(regions), 3, *out_size), dtype=torch.uint8,
+                                 device=self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         code = library.gpufeed_resample_cuda(on_device.data_ptr(), len(regions),
                                              pixels.data_ptr(), out_size[0], out_size[1],

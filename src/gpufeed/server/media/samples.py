@@ -14,6 +14,7 @@ import logging
 import os
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -36,12 +37,14 @@ from .video import VideoDecoder, centred_start, random_start
 _log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    import torch
+
     from ..storage.paths import SamplePaths
     from ..storage.roots import Storage
 
 __all__ = [
-    "ArrayRows", "Decoders", "ImageRows", "RowReader", "VideoRows", "is_sample_file",
-    "sample_kind", "timed_read",
+    "ArrayRows", "BatchDecoded", "Decoders", "ImageRows", "RowReader", "VideoRows",
+    "is_sample_file", "sample_kind", "timed_read",
 ]
 
 IMAGE, VIDEO, ARRAYS = "image", "video", "arrays"
@@ -156,11 +159,22 @@ class RowReader(Protocol):
         self.read_into(storage, path, index, arrays, row, decoders, stages)
 
     def decode_deferred(self, deferred: list[Deferred], arrays: dict[str, np.ndarray],
-                        decoders: Decoders, stages: Mapping[str, Any]
-                        ) -> list[tuple[int, BaseException]]:
-        """Decode the rows ``read_deferring`` left, at the batch's end; (row, error) for
-        each that failed. By default none is left."""
-        return []
+                        decoders: Decoders, stages: Mapping[str, Any],
+                        device_pixels: torch.Tensor | None = None) -> BatchDecoded:
+        """Decode the rows ``read_deferring`` left, at the batch's end. ``device_pixels``:
+        the batch's pixel rows where the trainer reads them on the GPU (cuda_ipc), offered
+        when every row was left. By default none is left."""
+        return BatchDecoded([])
+
+
+@dataclass
+class BatchDecoded:
+    """What the decode of a batch's deferred rows came to: (row, error) of each that
+    failed, and whether the pixels went to the ``device_pixels`` offered, not to the
+    batch's host rows."""
+
+    failed: list[tuple[int, BaseException]]
+    on_device: bool = False
 
 
 class ImageRows(RowReader):
@@ -211,16 +225,18 @@ class ImageRows(RowReader):
         deferred.append(Deferred(row, bytes(data), box, flip, (height, width)))
 
     def decode_deferred(self, deferred: list[Deferred], arrays: dict[str, np.ndarray],
-                        decoders: Decoders, stages: Mapping[str, Any]
-                        ) -> list[tuple[int, BaseException]]:
-        """One batched decode (batch_jpeg.py); what it cannot decode, the CPU path decodes
-        from the same bytes, or fails as it would."""
+                        decoders: Decoders, stages: Mapping[str, Any],
+                        device_pixels: torch.Tensor | None = None) -> BatchDecoded:
+        """One batched decode (batch_jpeg.py), into ``device_pixels`` where offered on the
+        decoders' device and every JPEG decodes there; what it cannot decode, the CPU path
+        decodes from the same bytes into the host rows, or fails as it would (the batch's
+        pixels are then all on the host)."""
         started = perf_counter()
         image = arrays.get("decoded", arrays["image"])
         batch = decoders.batch
         assert batch is not None, "JPEGs are deferred only when a batched decoder is set"
         try:
-            left = batch.decode(deferred, image)
+            left = batch.decode(deferred, image, device_pixels)
         except Exception:  # the batched decode itself broke (a GPU error): the CPU path's turn
             _log.exception("nvImageCodec's batched decode failed; decoding the batch's %d "
                            "JPEGs on the decode thread", len(deferred))
@@ -234,7 +250,7 @@ class ImageRows(RowReader):
                 decoders.image.decode_into(job.data, image[job.row], crop, job.flip)
             except Exception as e:  # that sample fails, as on the CPU path
                 failed.append((job.row, e))
-        return failed
+        return BatchDecoded(failed, on_device=device_pixels is not None and not left)
 
     def _read(self, storage: Storage, path: str, index: int, stages: Mapping[str, Any]
               ) -> tuple[Any, float]:

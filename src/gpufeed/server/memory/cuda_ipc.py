@@ -3,7 +3,9 @@
 A cuda_ipc stream keeps two rings with the same slots: the host ring (pinned
 memory) that decode threads write, and one device allocation exported once to
 the trainer. When a batch is complete, ``publish`` copies its slot host->device
-on a side stream and records the slot's interprocess event; the trainer's
+on a side stream and records the slot's interprocess event (a batch that a
+GPU decoder wrote straight into the device slot, ``device_views``, skips the
+copy of its pixels); the trainer's
 stream waits on that event before it reads. The trainer releases a slot only
 after the kernels that read it have finished (the client records an event on
 its own stream and waits for it before sending the Release), so the ring's
@@ -109,7 +111,10 @@ class DeviceRing:
         slots_bytes = plan.num_slots * plan.layout.slot_bytes
         self._device = device
         self.slot_bytes = plan.layout.slot_bytes
-        self._spans = _host_written_spans(plan.layout)
+        # The spans copied: as the host writes them, and for a batch whose pixels a GPU
+        # decoder wrote in the device slot.
+        self._spans = {pixels_on_device: _host_written_spans(plan.layout, pixels_on_device)
+                       for pixels_on_device in (False, True)}
         # Timing events around each slot's copy; read when the slot is next published,
         # by which time the trainer has released it, so the copy is long finished.
         self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event] | None] | None = \
@@ -140,6 +145,11 @@ class DeviceRing:
         """The host ring as a buffer the slot ring and decode threads write into."""
         return self._live()[0].numpy()
 
+    def device_slot(self, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s bytes in the device ring."""
+        start = slot * self.slot_bytes
+        return self._live()[1][start:start + self.slot_bytes]
+
     def publish(self, batch, plan) -> None:
         """Copy the batch's slot to the device and run the batch pass there, on the side
         stream; the slot's event marks the result ready."""
@@ -157,7 +167,7 @@ class DeviceRing:
         with torch.cuda.device(self._device), torch.cuda.stream(self._copies):
             slot = device[start:start + self.slot_bytes]
             began.record(self._copies)
-            for begin, end in self._spans:
+            for begin, end in self._spans[batch.pixels_on_device]:
                 slot[begin:end].copy_(host[start + begin:start + end], non_blocking=True)
             ended.record(self._copies)
             if plan.transform is not None:
@@ -206,6 +216,9 @@ class DeviceSlots:
     def filled(self, slot: np.ndarray, rows: int) -> None:
         pass  # the batch pass runs on the device, after the copy (publish)
 
+    def device_views(self, slot: int) -> dict[str, torch.Tensor]:
+        return self._plan.layout.views(self._ring.device_slot(slot))
+
     def publish(self, batch: FilledBatch) -> tuple[feed_pb2.Batch, None]:
         if batch.rows:
             self._ring.publish(batch, self._plan)
@@ -216,9 +229,12 @@ class DeviceSlots:
         self.host = np.empty(0, np.uint8)  # the pinned ring goes with the stream
 
 
-def _host_written_spans(layout) -> list[tuple[int, int]]:
-    """(begin, end) byte ranges of a slot that the host writes, adjacent ones merged."""
-    device_made = {"image"} if any(p.name == "decoded" for p in layout.places) else set()
+def _host_written_spans(layout, pixels_on_device: bool = False) -> list[tuple[int, int]]:
+    """(begin, end) byte ranges of a slot that the host writes, adjacent ones merged;
+    ``pixels_on_device``: but not the decoded pixels, written on the device."""
+    device_made = {"image"} if layout.pixels == "decoded" else set()
+    if pixels_on_device:
+        device_made.add(layout.pixels)
     spans: list[tuple[int, int]] = []
     for place, next_offset in zip(layout.places, [p.offset for p in layout.places[1:]]
                                   + [layout.slot_bytes]):

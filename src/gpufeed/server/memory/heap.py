@@ -37,6 +37,9 @@ class HeapSlots:
     def filled(self, slot: np.ndarray, rows: int) -> None:
         batch_pass_on_host(self._plan, slot, rows)
 
+    def device_views(self, slot: int) -> None:
+        return None
+
     def publish(self, batch: FilledBatch) -> tuple[feed_pb2.Batch, list[memoryview] | None]:
         """The fields, with each tensor's offset in the message's data, and the rows'
         bytes (views of the slot, padded to ``INLINE_ALIGN``)."""

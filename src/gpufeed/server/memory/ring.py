@@ -66,6 +66,12 @@ class BatchLayout:
         self.tensors = [t for t in self.places if t.name not in private]
         self.slot_bytes = offset
 
+    @property
+    def pixels(self) -> str:
+        """The array decoders write the pixels to: ``decoded`` where the batch pass makes
+        ``image`` of it (a float dtype, NHWC), else ``image`` itself."""
+        return "decoded" if any(t.name == "decoded" for t in self.places) else "image"
+
     @overload
     def views(self, slot: np.ndarray) -> dict[str, np.ndarray]: ...
 

@@ -146,6 +146,9 @@ class ShmSlots:
     def filled(self, slot: np.ndarray, rows: int) -> None:
         batch_pass_on_host(self._plan, slot, rows)
 
+    def device_views(self, slot: int) -> None:
+        return None
+
     def publish(self, batch: FilledBatch) -> tuple[feed_pb2.Batch, None]:
         return batch_fields(batch, self._plan.layout), None
 

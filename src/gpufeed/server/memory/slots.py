@@ -12,6 +12,9 @@ hold one memory object and never ask which transport it is:
   and says so, and what the memory does when it has (shm unlinks its name);
 - ``filled(slot, rows)``: the batch pass where the memory runs it on the host,
   in the decode thread that wrote the slot's last row;
+- ``device_views(slot)``: the slot's arrays in the device memory the client
+  reads, where the memory has such a twin (cuda_ipc): a batch decoded on the GPU
+  is written there and not to ``host`` (the batch says so: ``pixels_on_device``);
 - ``publish(batch)``: a filled slot made visible to the client (cuda_ipc copies
   it to the device first), and the Batch message's fields;
 - ``close()``: the stream has ended and the client has attached or never will.
@@ -74,6 +77,7 @@ class FilledBatch(Protocol):
     slot: int
     rows: int
     failures: list[tuple[int, int, str]]  # (index, FailureCategory, reason)
+    pixels_on_device: bool  # its pixels were written in ``device_views``, not in ``host``
 
     def sent(self, name: str) -> np.ndarray:
         """The array ``name`` as it is sent (its filled rows, or a packed field's entries)."""
@@ -107,6 +111,11 @@ class SlotMemory(Protocol):
     def filled(self, slot: np.ndarray, rows: int) -> None:
         """Every row of ``slot`` (its bytes in ``host``) is written; the batch pass runs
         here if this memory runs it on the host."""
+        ...
+
+    def device_views(self, slot: int) -> dict[str, torch.Tensor] | None:
+        """Slot ``slot``'s arrays, by name, in the device memory the client reads, for a
+        decoder on that device to write; None where the memory has no device twin."""
         ...
 
     def publish(self, batch: FilledBatch) -> tuple[feed_pb2.Batch, list[memoryview] | None]:

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -46,6 +47,9 @@ from ..planning.order import samples_at
 from ..planning.plan import StreamPlan
 from .pool import DecodePool
 from .sources import BatchSource, DealtBatches, OwnBatches
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SlotBatch", "Stream", "StreamState"]
 
@@ -103,6 +107,8 @@ class SlotBatch:
         self._failed_rows: list[tuple[int, int, str]] = []
         # Rows read whose decode waits for the batch's end (--decoder nvimgcodec).
         self._deferred: list[Deferred] = []
+        # Whether that decode wrote the pixels to the memory's device twin, not the host ring.
+        self.pixels_on_device = False
         # (sample index, category, reason naming the file), sorted, once finished
         self.failures: list[tuple[int, int, str]] = []
         self.rows = len(indices)
@@ -226,14 +232,31 @@ class SlotBatch:
             f"no sample to pad it with"))
         return self.indices[:0]
 
+    def _device_pixels(self) -> torch.Tensor | None:
+        """The slot's pixel rows in the memory's device twin (cuda_ipc), offered to the
+        batch decode when every row waits for it: decoded there whole, the batch needs no
+        copy through the host. Any other batch keeps its pixels on the host, where rows
+        decoded on the CPU join them and the gaps of failed rows are closed."""
+        if len(self._deferred) != len(self.indices) or self._failed_rows:
+            return None
+        views = self._stream.memory.device_views(self.slot)
+        if views is None:
+            return None
+        return views[self._stream.plan.layout.pixels][:len(self.indices)]
+
     def _finish(self, decoders: Decoders) -> None:
-        """Close the gaps failed rows left (a split over ranks refills an empty batch),
-        fill index/label/padded, pack the variable-length fields and names, run the
-        batch pass on the host."""
+        """Decode the rows left for the batch's end (into the device twin, where the
+        memory has one and takes the batch whole: ``pixels_on_device``), close the gaps
+        failed rows left (a split over ranks refills an empty batch), fill
+        index/label/padded, pack the variable-length fields and names, and hand the slot
+        to the memory (which runs the batch pass on the host, or leaves it for publish)."""
         plan = self._stream.plan
         if self._deferred and not self._stream.cancelled:  # one decode for the batch's JPEGs
-            for row, error in plan.reader.decode_deferred(self._deferred, self.arrays, decoders,
-                                                          self._stream.metrics.stages):
+            decoded = plan.reader.decode_deferred(self._deferred, self.arrays, decoders,
+                                                  self._stream.metrics.stages,
+                                                  self._device_pixels())
+            self.pixels_on_device = decoded.on_device
+            for row, error in decoded.failed:
                 index = int(self.indices[row])
                 self._failed_rows.append((row, *sample_failure(error, index, self._shown(index))))
         self._deferred = []
