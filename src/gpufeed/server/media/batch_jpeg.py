@@ -17,9 +17,9 @@ into the batch's rows: by one launch of gpufeed's CUDA kernel (_resample.cu) whe
 bench/gpu/prepare.sh built it, else by two batched matrix products (on any device).
 Either is within a level or two of Pillow cropping and resizing the same box, and
 within one of the other. It agrees as closely with the CPU path where that decodes at
-full scale; where the box is twice the output or more, the CPU path
-lets libjpeg shrink it in the IDCT (a coarser filter, ~30 dB against Pillow), and
-this path, decoding the region at full scale, is the closer of the two. What this
+full scale; where the box is twice the output or more, the CPU path lets libjpeg
+shrink it in the IDCT (a coarser filter, ~30 dB against Pillow), and this path,
+decoding the region at full scale, is the closer of the two. What this
 path does not take (another format, a CMYK or YCCK JPEG, a file cut short) or cannot
 decode (a broken file) is decoded by the CPU path from the same bytes, so it comes
 out, or fails, exactly as without the flag.

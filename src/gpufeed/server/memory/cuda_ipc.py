@@ -3,13 +3,13 @@
 A cuda_ipc stream keeps two rings with the same slots: the host ring (pinned
 memory) that decode threads write, and one device allocation exported once to
 the trainer. When a batch is complete, ``publish`` copies its slot host->device
-on a side stream and records the slot's interprocess event (a batch that a
-GPU decoder wrote straight into the device slot, ``device_views``, skips the
-copy of its pixels); the trainer's
-stream waits on that event before it reads. The trainer releases a slot only
-after the kernels that read it have finished (the client records an event on
-its own stream and waits for it before sending the Release), so the ring's
-ordinary leases also protect the device memory and the host slot under a copy.
+on a side stream (all but the pixels of a batch that a GPU decoder wrote
+straight into the device slot, ``device_views``) and records the slot's
+interprocess event; the trainer's stream waits on that event before it
+reads. The trainer releases a slot only after the kernels that read it have
+finished (the client records an event on its own stream and waits for it
+before sending the Release), so the ring's ordinary leases also protect the
+device memory and the host slot under a copy.
 
 What it needs, and what goes wrong otherwise:
 
